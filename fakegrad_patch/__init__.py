@@ -1,0 +1,90 @@
+"""fakegrad_patch: real gradients for real leaves under FakeTensorMode.
+
+``import fakegrad_patch`` installs the patch (lazily: torch is not imported by this module; the
+patch applies once torch is imported). See README.md and docs/ for the full story.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ._config import ON_MISSING_VALUES, OnMissing, Settings
+from ._errors import FakeGradError, FakeGradPatchWarning
+from ._patch import install, is_installed, status, uninstall
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ON_MISSING_VALUES",
+    "FakeGradError",
+    "FakeGradPatchWarning",
+    "OnMissing",
+    "Settings",
+    "configure",
+    "install",
+    "is_installed",
+    "name_parameters",
+    "patched",
+    "settings",
+    "status",
+    "uninstall",
+]
+
+__version__ = "0.1.0"
+
+
+def configure(*, on_missing: OnMissing | None = None) -> Settings:
+    """Change settings for the whole process; return the previous ones.
+
+    on_missing: ``"drop"`` (default), ``"zeros"``, ``"error"`` or ``"keep"``; see
+    docs/configuration.md. Invalid values raise ValueError naming the valid ones.
+    """
+    from . import _config
+
+    return _config.update(on_missing=on_missing)
+
+
+def settings() -> Settings:
+    """The settings in force."""
+    from . import _config
+
+    return _config.current()
+
+
+@contextlib.contextmanager
+def patched(*, on_missing: OnMissing | None = None) -> Iterator[None]:
+    """Scoped use: the patch is installed (and ``on_missing`` set) inside the block, and the
+    previous state (installed or not, settings) is restored on exit."""
+    from . import _config
+
+    was_installed = is_installed()
+    previous = _config.update(on_missing=on_missing)
+    install()
+    try:
+        yield
+    finally:
+        _config.restore(previous)
+        if not was_installed:
+            uninstall()
+
+
+def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:
+    """Register ``module``'s parameter names for trace events and messages (held weakly)."""
+    from ._leaves import name_parameters as _name_parameters
+
+    return _name_parameters(module, prefix)
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy submodules keep ``import fakegrad_patch`` free of torch and structlog.
+    if name == "trace":
+        import importlib
+
+        return importlib.import_module(".trace", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+install()

@@ -1,0 +1,139 @@
+"""The leaf registry: which real leaves are armed, and their human names.
+
+Arming a leaf registers a pre-hook on its AccumulateGrad node (``Node.register_prehook``; the
+node is found the way ``torch.autograd.graph.get_gradient_edge`` finds it, see _targets). Node pre-hooks run after
+every tensor hook on the leaf, so they see exactly what AccumulateGrad is about to accumulate.
+
+Why this is free once the fake computation is gone: a leaf only holds a *weak* reference to its
+AccumulateGrad node; the graphs that use the leaf hold it strongly. We arm while the fake op that
+uses the leaf is being dispatched, i.e. while that op's autograd node already holds the
+AccumulateGrad node. When the fake graph is freed, the node and our hook die with it, and the next
+real forward creates a fresh AccumulateGrad with no hook at all. Nothing keeps a leaf or a mode
+alive: the hook holds a weak reference to the leaf, the registry is keyed weakly.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import trace
+
+_lock = threading.RLock()
+#: leaf -> RemovableHandle of our pre-hook on its (live) AccumulateGrad node
+_armed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: real non-leaf -> None: its graph was already walked (a non-leaf's graph never changes)
+_walked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: leaf -> name given by name_parameters()
+_names: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+PreHookFactory = Callable[["weakref.ref[torch.Tensor]"], Callable[[tuple[Any, ...]], Any]]
+
+
+class Registry:
+    """Arms leaves with pre-hooks made by ``make_prehook``; one per installation."""
+
+    def __init__(self, make_prehook: PreHookFactory, grad_accumulator: Callable[[Any], Any]) -> None:
+        self._make_prehook = make_prehook
+        self._grad_accumulator = grad_accumulator
+
+    def arm_tensor(self, t: torch.Tensor) -> None:
+        """Arm every real leaf whose gradient can flow from a fake use of ``t``.
+
+        ``t`` is a leaf: arm it. ``t`` is a real non-leaf (FINDINGS D3: a real op on a leaf, only
+        the result enters the fake computation): walk its autograd graph to the AccumulateGrad
+        nodes and arm those leaves.
+        """
+        grad_fn = t.grad_fn
+        if grad_fn is None:
+            self.arm_leaf(t)
+            return
+        with _lock:
+            if t in _walked:
+                return
+            _walked[t] = None
+        self._walk(grad_fn)
+
+    def arm_leaf(self, leaf: torch.Tensor, node: Any = None) -> None:
+        with _lock:
+            handle = _armed.get(leaf)
+            if handle is not None and handle.hooks_dict_ref() is not None:
+                return  # its AccumulateGrad node is alive and already carries our hook
+            if node is None:
+                node = self._grad_accumulator(leaf)
+            _armed[leaf] = node.register_prehook(self._make_prehook(weakref.ref(leaf)))
+        if trace.enabled(trace.DEBUG):
+            trace.emit(
+                "leaf_armed",
+                trace.DEBUG,
+                leaf_id=id(leaf),
+                name=name_of(leaf),
+                shape=list(leaf.shape),
+                dtype=str(leaf.dtype).removeprefix("torch."),
+                device=str(leaf.device),
+            )
+
+    def _walk(self, root: Any) -> None:
+        seen: set[int] = set()
+        keep: list[Any] = []  # hold wrappers so ids stay unique during the walk
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for nxt, _ in node.next_functions:
+                if nxt is None or id(nxt) in seen:
+                    continue
+                seen.add(id(nxt))
+                keep.append(nxt)
+                leaf = getattr(nxt, "variable", None)
+                if leaf is not None and type(nxt).__name__ == "AccumulateGrad":
+                    self.arm_leaf(leaf, nxt)
+                else:
+                    stack.append(nxt)
+
+    @staticmethod
+    def disarm_all() -> int:
+        """Remove every pre-hook still attached to a live node; return how many."""
+        removed = 0
+        with _lock:
+            for handle in list(_armed.values()):
+                if handle.hooks_dict_ref() is not None:
+                    handle.remove()
+                    removed += 1
+            _armed.clear()
+            _walked.clear()
+        return removed
+
+    @staticmethod
+    def armed_count() -> int:
+        """Leaves whose AccumulateGrad node is alive and hooked (for tests and doctor)."""
+        with _lock:
+            return sum(1 for h in _armed.values() if h.hooks_dict_ref() is not None)
+
+
+def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:
+    """Give every parameter of ``module`` its qualified name in trace events and messages.
+
+    Weakly held: naming never keeps a parameter alive. Returns how many were named.
+    """
+    count = 0
+    with _lock:
+        for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
+            _names[param] = name
+            count += 1
+    return count
+
+
+def name_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Name arbitrary leaves (``[(name, tensor), ...]``) for traces."""
+    with _lock:
+        for name, tensor in named:
+            _names[tensor] = name
+
+
+def name_of(leaf: torch.Tensor) -> str | None:
+    return _names.get(leaf)

@@ -1,0 +1,262 @@
+"""Every private PyTorch touch point of fakegrad_patch, in one place.
+
+PyTorch's private internals change between releases. Nothing else in this package reaches
+into ``torch._*`` directly: it asks this module, which resolves each target by name, checks
+what it can (presence, call signature) and reports what is missing so the patch can refuse to
+apply instead of breaking the host program.
+
+Each target carries a banner: what it is, the torch builds it was checked on, and why we need it.
+Checked on: torch 2.13.0+cpu and torch 2.14.1+cu130 (run on CPU), Python 3.11.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: torch builds the whole list below was read and tested against.
+CHECKED_ON: tuple[str, ...] = ("2.13.0+cpu", "2.14.1+cu130")
+
+#: The module whose import makes the patch applicable (wrapt post-import hook target).
+FAKE_TENSOR_MODULE = "torch._subclasses.fake_tensor"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One private attribute of torch that fakegrad_patch relies on."""
+
+    module: str
+    qualname: str
+    why: str
+    checked_on: tuple[str, ...] = CHECKED_ON
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+# --- The touch points -------------------------------------------------------------------------
+
+#: WRAPPED. The single routine that turns a real tensor into a FakeTensor: implicit conversion of
+#: real inputs during dispatch under ``allow_non_fake_inputs=True`` (validate_and_convert_non_fake_
+#: tensors calls it for every real argument of every op) and ``FakeTensorMode.from_tensor``.
+#: We wrap it (wrapt) to (1) arm the AccumulateGrad node of every real leaf that enters a fake
+#: computation, directly or through a real autograd graph (FINDINGS D3), and (2) repair the
+#: uninitialised ``real_tensor`` of converted ``nn.Parameter``s on builds with defect D2.
+#: Signature checked: ``(self, fake_mode, t, make_constant=False, shape_env=None, *, source=None,
+#: symbolic_context=None, trace=True)`` on both builds.
+FROM_REAL_TENSOR = Target(
+    FAKE_TENSOR_MODULE,
+    "FakeTensorConverter.from_real_tensor",
+    "wrapped: sees every real tensor entering a fake computation (arming, D2 repair)",
+)
+
+#: READ. The FakeTensor class: isinstance checks on incoming gradients, and its ``real_tensor``
+#: attribute (set when the mode propagates real tensors) carries the true values we materialize.
+FAKE_TENSOR = Target(
+    FAKE_TENSOR_MODULE,
+    "FakeTensor",
+    "isinstance checks on gradients; FakeTensor.real_tensor holds propagated values",
+)
+
+#: READ. The mode class; the D2 probe builds one with propagation on.
+FAKE_TENSOR_MODE = Target(
+    FAKE_TENSOR_MODULE,
+    "FakeTensorMode",
+    "the D2 probe builds a propagating mode to test Parameter conversion",
+)
+
+#: CALLED. Pops every active TorchDispatchMode (FakeTensorMode, FlopCounterMode, ...) for the
+#: duration of a block. AccumulateGrad runs with the fake mode still active in thread-local state,
+#: so writing a real ``.grad`` needs the modes disabled (FINDINGS "Mechanics").
+DISABLE_CURRENT_MODES = Target(
+    "torch.utils._python_dispatch",
+    "_disable_current_modes",
+    "write real gradients while AccumulateGrad runs with the fake mode active",
+)
+
+#: CALLED. Reference count of a StorageImpl. Used to decide whether a propagated gradient buffer
+#: is referenced by nobody else and can be taken over as ``.grad`` without a copy, mirroring
+#: AccumulateGrad's own use_count check.
+STORAGE_USE_COUNT = Target(
+    "torch._C",
+    "_storage_Use_Count",
+    "zero-copy set path: is the propagated buffer shared with anything else?",
+)
+
+#: CALLED (through config.patch). The flag that makes FakeTensorMode carry real values; the D2 probe
+#: turns it on for its private mode. We never read it to decide behaviour: the per-mode attribute
+#: ``FakeTensorMode.propagate_real_tensors`` is what counts (the config is per-thread on 2.13).
+PROPAGATE_CONFIG = Target(
+    "torch._functorch.config",
+    "fake_tensor_propagate_real_tensors",
+    "D2 probe: build a mode that propagates real tensors",
+)
+
+#: CALLED. Sets the thread-local dispatch key sets for a block. We arm a leaf from inside the fake
+#: mode's dispatch, i.e. below the Autograd key with most keys excluded; reaching the leaf's
+#: AccumulateGrad node (``leaf.view_as(leaf).grad_fn.next_functions[0][0]``, what the public
+#: ``torch.autograd.graph.get_gradient_edge`` does) needs the dispatch state of ordinary code.
+#: We capture that state (include/exclude sets) when the patch is applied and force it for the
+#: few microseconds of the lookup.
+FORCE_DISPATCH_KEY_GUARD = Target(
+    "torch._C",
+    "_ForceDispatchKeyGuard",
+    "reach a leaf's AccumulateGrad node from inside fake dispatch",
+)
+TLS_INCLUDE_SET = Target(
+    "torch._C",
+    "_dispatch_tls_local_include_set",
+    "capture ordinary dispatch state for FORCE_DISPATCH_KEY_GUARD",
+)
+TLS_EXCLUDE_SET = Target(
+    "torch._C",
+    "_dispatch_tls_local_exclude_set",
+    "capture ordinary dispatch state for FORCE_DISPATCH_KEY_GUARD",
+)
+
+#: CALLED, OPTIONAL. Id of the backward pass (GraphTask) running on this thread, -1 outside one.
+#: Only used to give trace events a ``backward_id``; when absent, events carry ``None``.
+GRAPH_TASK_ID = Target(
+    "torch._C",
+    "_current_graph_task_id",
+    "optional: backward-pass id in trace events",
+)
+
+ALL_TARGETS: tuple[Target, ...] = (
+    FROM_REAL_TENSOR,
+    FAKE_TENSOR,
+    FAKE_TENSOR_MODE,
+    DISABLE_CURRENT_MODES,
+    STORAGE_USE_COUNT,
+    PROPAGATE_CONFIG,
+    FORCE_DISPATCH_KEY_GUARD,
+    TLS_INCLUDE_SET,
+    TLS_EXCLUDE_SET,
+    GRAPH_TASK_ID,
+)
+
+#: Targets whose absence degrades a detail instead of blocking the patch.
+OPTIONAL_TARGETS: frozenset[Target] = frozenset({GRAPH_TASK_ID})
+
+# Public, documented torch APIs we also rely on (listed for completeness; not private):
+# torch.autograd.graph.get_gradient_edge (>=2.2), Node.register_prehook, Node.next_functions,
+# AccumulateGrad.variable, Tensor._use_count (TensorImpl refcount; used for zero-copy safety).
+
+_FROM_REAL_TENSOR_PARAMS = ("self", "fake_mode", "t")
+
+
+class MissingTargetError(LookupError):
+    """A private torch target is absent or has a signature the patch does not know."""
+
+    def __init__(self, target: Target, reason: str) -> None:
+        super().__init__(f"{target.dotted}: {reason}")
+        self.target = target
+        self.reason = reason
+
+
+def resolve(target: Target) -> Any:
+    """Return the object named by ``target`` or raise :class:`MissingTargetError`."""
+    try:
+        obj: Any = importlib.import_module(target.module)
+    except ImportError as exc:
+        raise MissingTargetError(target, f"module not importable ({exc})") from None
+    for part in target.qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise MissingTargetError(target, f"attribute {part!r} not found") from None
+    return obj
+
+
+def _check_from_real_tensor(func: Callable[..., Any]) -> None:
+    try:
+        params = tuple(inspect.signature(func).parameters)
+    except (TypeError, ValueError) as exc:  # pragma: no cover - builtins only
+        raise MissingTargetError(FROM_REAL_TENSOR, f"signature unreadable ({exc})") from None
+    if params[: len(_FROM_REAL_TENSOR_PARAMS)] != _FROM_REAL_TENSOR_PARAMS:
+        raise MissingTargetError(
+            FROM_REAL_TENSOR,
+            f"signature changed: expected parameters starting with {_FROM_REAL_TENSOR_PARAMS}, "
+            f"found {params}",
+        )
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The touch points, resolved and checked, ready for the patch to use."""
+
+    fake_tensor_module: Any
+    converter_cls: type
+    fake_tensor_cls: type
+    fake_mode_cls: type
+    disable_current_modes: Callable[[], Any]
+    storage_use_count: Callable[[int], int]
+    functorch_config: Any
+    graph_task_id: Callable[[], int] | None
+    grad_accumulator: Callable[[Any], Any]
+
+
+def resolve_all() -> Resolved:
+    """Resolve every target; raise :class:`MissingTargetError` for the first one missing."""
+    from_real = resolve(FROM_REAL_TENSOR)
+    _check_from_real_tensor(from_real)
+    resolve(PROPAGATE_CONFIG)
+    module = importlib.import_module(FAKE_TENSOR_MODULE)
+    disable_current_modes = resolve(DISABLE_CURRENT_MODES)
+    return Resolved(
+        fake_tensor_module=module,
+        converter_cls=module.FakeTensorConverter,
+        fake_tensor_cls=resolve(FAKE_TENSOR),
+        fake_mode_cls=resolve(FAKE_TENSOR_MODE),
+        disable_current_modes=disable_current_modes,
+        storage_use_count=resolve(STORAGE_USE_COUNT),
+        functorch_config=importlib.import_module(PROPAGATE_CONFIG.module),
+        graph_task_id=_resolve_optional(GRAPH_TASK_ID),
+        grad_accumulator=_make_grad_accumulator_getter(disable_current_modes),
+    )
+
+
+def _make_grad_accumulator_getter(disable_current_modes: Callable[[], Any]) -> Callable[[Any], Any]:
+    """``get(leaf) -> AccumulateGrad node``, usable from inside fake dispatch.
+
+    Same lookup as ``torch.autograd.graph.get_gradient_edge(leaf).node``, run with the dispatch
+    state captured here (ordinary code: autograd on, no key excluded but autocast's) and every
+    dispatch mode disabled, so the temporary view is a real autograd view of the real leaf.
+    """
+    import torch
+
+    guard = resolve(FORCE_DISPATCH_KEY_GUARD)
+    include = resolve(TLS_INCLUDE_SET)()
+    exclude = resolve(TLS_EXCLUDE_SET)()
+
+    def get(leaf: Any) -> Any:
+        with guard(include, exclude), disable_current_modes(), torch.enable_grad():
+            return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+    return get
+
+
+def _resolve_optional(target: Target) -> Any:
+    try:
+        return resolve(target)
+    except MissingTargetError:
+        return None
+
+
+def report() -> list[tuple[Target, str | None]]:
+    """For ``doctor``: every target with ``None`` when found or the reason it is missing."""
+    rows: list[tuple[Target, str | None]] = []
+    for target in ALL_TARGETS:
+        try:
+            obj = resolve(target)
+            if target is FROM_REAL_TENSOR:
+                _check_from_real_tensor(obj)
+        except MissingTargetError as exc:
+            rows.append((target, exc.reason))
+        else:
+            rows.append((target, None))
+    return rows
