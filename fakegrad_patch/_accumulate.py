@@ -29,9 +29,10 @@ from . import _config, trace
 from ._errors import FakeGradError, FakeGradPatchWarning
 from ._targets import Resolved
 
-#: ``Tensor._use_count()`` of a propagated buffer that only its FakeTensor holds, seen from here
-#: (the FakeTensor attribute plus our local reference share one TensorImpl reference each way the
-#: Python object is reached; measured on both checked builds).
+#: ``Tensor._use_count()`` of a propagated buffer referenced only through its Python object (the
+#: FakeTensor's ``real_tensor`` attribute): the TensorImpl reference the PyObject owns. Once a leaf
+#: adopted it, the leaf's ``.grad`` holds a second one, so a buffer shared by two leaves (``a + b``
+#: sends one gradient to both) is copied for the second. Measured on both checked builds.
 _SOLE_OWNER_USE_COUNT = 1
 
 
@@ -175,9 +176,9 @@ class Materializer:
             return Outcome("accumulate", source, bytes_copied=copied)
 
     def _can_adopt(self, value: torch.Tensor, leaf: torch.Tensor, dtype: torch.dtype) -> bool:
-        """May ``value`` become ``leaf.grad`` as is? Only when device, dtype and layout already
-        match and no other tensor or Python object shares its buffer (AccumulateGrad's
-        use_count test), so a later in-place accumulation cannot change anything else."""
+        """May ``value`` become ``leaf.grad`` as is? AccumulateGrad's own test
+        (``is_tensor_stealable``): device, dtype and layout contract already match and nothing
+        else holds the tensor (``use_count``); we also refuse views."""
         return (
             type(value) is torch.Tensor
             and value.device == leaf.device
@@ -186,9 +187,7 @@ class Materializer:
             and not value.requires_grad
             and value._base is None
             and obeys_layout_contract(value, leaf)
-            and value._use_count() <= _SOLE_OWNER_USE_COUNT
-            # +1: the UntypedStorage object created by the call itself
-            and self._r.storage_use_count(value.untyped_storage()._cdata) <= 2
+            and self._r.tensor_use_count(value) <= _SOLE_OWNER_USE_COUNT
         )
 
     @staticmethod

@@ -78,15 +78,6 @@ DISABLE_CURRENT_MODES = Target(
     "write real gradients while AccumulateGrad runs with the fake mode active",
 )
 
-#: CALLED. Reference count of a StorageImpl. Used to decide whether a propagated gradient buffer
-#: is referenced by nobody else and can be taken over as ``.grad`` without a copy, mirroring
-#: AccumulateGrad's own use_count check.
-STORAGE_USE_COUNT = Target(
-    "torch._C",
-    "_storage_Use_Count",
-    "zero-copy set path: is the propagated buffer shared with anything else?",
-)
-
 #: CALLED (through config.patch). The flag that makes FakeTensorMode carry real values; the D2 probe
 #: turns it on for its private mode. We never read it to decide behaviour: the per-mode attribute
 #: ``FakeTensorMode.propagate_real_tensors`` is what counts (the config is per-thread on 2.13).
@@ -118,6 +109,15 @@ TLS_EXCLUDE_SET = Target(
     "capture ordinary dispatch state for FORCE_DISPATCH_KEY_GUARD",
 )
 
+#: CALLED. TensorImpl reference count. AccumulateGrad steals a new gradient instead of copying it
+#: only when nothing else holds it (``is_tensor_stealable``); we apply the same test before taking
+#: a propagated buffer over as ``.grad`` (zero-copy set path).
+TENSOR_USE_COUNT = Target(
+    "torch",
+    "Tensor._use_count",
+    "zero-copy set path: AccumulateGrad's stealable test",
+)
+
 #: CALLED, OPTIONAL. Id of the backward pass (GraphTask) running on this thread, -1 outside one.
 #: Only used to give trace events a ``backward_id``; when absent, events carry ``None``.
 GRAPH_TASK_ID = Target(
@@ -131,11 +131,11 @@ ALL_TARGETS: tuple[Target, ...] = (
     FAKE_TENSOR,
     FAKE_TENSOR_MODE,
     DISABLE_CURRENT_MODES,
-    STORAGE_USE_COUNT,
     PROPAGATE_CONFIG,
     FORCE_DISPATCH_KEY_GUARD,
     TLS_INCLUDE_SET,
     TLS_EXCLUDE_SET,
+    TENSOR_USE_COUNT,
     GRAPH_TASK_ID,
 )
 
@@ -144,7 +144,7 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset({GRAPH_TASK_ID})
 
 # Public, documented torch APIs we also rely on (listed for completeness; not private):
 # torch.autograd.graph.get_gradient_edge (>=2.2), Node.register_prehook, Node.next_functions,
-# AccumulateGrad.variable, Tensor._use_count (TensorImpl refcount; used for zero-copy safety).
+# AccumulateGrad.variable, Tensor._base.
 
 _FROM_REAL_TENSOR_PARAMS = ("self", "fake_mode", "t")
 
@@ -194,10 +194,10 @@ class Resolved:
     fake_tensor_cls: type
     fake_mode_cls: type
     disable_current_modes: Callable[[], Any]
-    storage_use_count: Callable[[int], int]
     functorch_config: Any
     graph_task_id: Callable[[], int] | None
     grad_accumulator: Callable[[Any], Any]
+    tensor_use_count: Callable[[Any], int]
 
 
 def resolve_all() -> Resolved:
@@ -213,10 +213,10 @@ def resolve_all() -> Resolved:
         fake_tensor_cls=resolve(FAKE_TENSOR),
         fake_mode_cls=resolve(FAKE_TENSOR_MODE),
         disable_current_modes=disable_current_modes,
-        storage_use_count=resolve(STORAGE_USE_COUNT),
         functorch_config=importlib.import_module(PROPAGATE_CONFIG.module),
         graph_task_id=_resolve_optional(GRAPH_TASK_ID),
         grad_accumulator=_make_grad_accumulator_getter(disable_current_modes),
+        tensor_use_count=resolve(TENSOR_USE_COUNT),
     )
 
 

@@ -1,0 +1,69 @@
+"""Shared fixtures: devices, propagation, a clean patch state per test."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+
+import fakegrad_patch
+from fakegrad_patch import trace
+
+#: Set by tests/test_can_fail.py: run the suite against upstream torch to prove it fails there.
+UNPATCHED = os.environ.get("FAKEGRAD_TEST_UNPATCHED") == "1"
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = pytest.mark.skip(reason="CUDA not available")
+    if not torch.cuda.is_available():
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def patch_state() -> Iterator[None]:
+    """Every test starts with the patch installed (or, for the can-fail proof, uninstalled),
+    the default policy, and leaves the trace level as it found it."""
+    if UNPATCHED:
+        fakegrad_patch.uninstall()
+    else:
+        fakegrad_patch.install()
+    previous = fakegrad_patch.configure(on_missing="drop")
+    level = trace.set_level(trace.WARNING)
+    try:
+        yield
+    finally:
+        fakegrad_patch.configure(on_missing=previous.on_missing)
+        trace.set_level(level)
+
+
+@pytest.fixture
+def propagate() -> Iterator[None]:
+    """Real-value propagation on for modes created in this test (this thread)."""
+    with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+        yield
+
+
+@pytest.fixture
+def no_propagate() -> Iterator[None]:
+    with functorch_config.patch(fake_tensor_propagate_real_tensors=False):
+        yield
+
+
+@pytest.fixture
+def quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fakegrad_patch.FakeGradPatchWarning)
+        yield
