@@ -119,9 +119,8 @@ class Materializer:
             if policy == "keep":
                 outcome = Outcome("keep", "none")
             elif policy == "zeros":
-                zeros = empty_like_contract(leaf, grad.dtype)
                 with self._r.disable_current_modes(), torch.no_grad():
-                    zeros.zero_()
+                    zeros = empty_like_contract(leaf, grad.dtype).zero_()
                 outcome = self._write(leaf, zeros, grad.dtype, "zeros", fresh=True)
             elif policy == "error":
                 self._emit(leaf, Outcome("error", "none"), start)
