@@ -1,0 +1,429 @@
+"""``python -m fakegrad_patch trace FILE...``: summarize JSONL trace files for a person or a script.
+
+Problems come first (dropped gradients, FakeGradError, fake gradients left on leaves, gradients
+without real values replaced by zeros, internal errors, skipped patches, failed trace sinks), then
+one row per leaf, then what the patch itself did per process. Lines that are not JSON objects with
+an ``event`` (broken) or that this reader does not know (unknown event or newer schema) are
+counted and reported, never fatal; ``--strict`` turns them into exit code 1 (for tests and CI).
+
+Standard library only, so it runs anywhere a trace file was copied to (no torch needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from .trace import SCHEMA_VERSION
+
+#: Every event kind this reader understands (docs/trace-schema.md).
+KNOWN_EVENTS = frozenset(
+    {
+        "patch_installed",
+        "patch_skipped",
+        "patch_uninstalled",
+        "defect_probed",
+        "d2_repaired",
+        "leaf_armed",
+        "fake_grad_set",
+        "fake_grad_accumulate",
+        "fake_grad_drop",
+        "fake_grad_error",
+        "fake_grad_keep",
+        "internal_error",
+        "trace_sink_failed",
+    }
+)
+ACTIONS = ("set", "accumulate", "drop", "error", "keep")
+_MAX_EXAMPLES = 5
+
+#: Problem kind -> (what happened, in words). Order = order in the report.
+_LEAF_PROBLEMS = {
+    "error": "raised FakeGradError (on_missing='error'): no real values; the leaf kept its "
+    "previous .grad",
+    "drop": "dropped: the fake gradient had no real values (on_missing='drop'); the leaf kept "
+    "its previous .grad",
+    "keep": "left as a FakeTensor in .grad (on_missing='keep')",
+    "zeros": "had no real values and was replaced by zeros (on_missing='zeros')",
+}
+
+
+@dataclass
+class Leaf:
+    """What happened to one real leaf (key: pid + leaf_id) across the trace."""
+
+    pid: Any
+    leaf_id: Any
+    name: str | None = None
+    shape: list[Any] | None = None
+    dtype: str | None = None
+    device: str | None = None
+    armed: int = 0
+    arrived: int = 0
+    actions: Counter[str] = field(default_factory=Counter)
+    zeros: int = 0
+    zero_copy: int = 0
+    bytes: int = 0
+    duration_us: float = 0.0
+    backward_ids: set[Any] = field(default_factory=set)
+
+    def label(self) -> str:
+        described = f"{self.shape} {self.dtype} {self.device}"
+        return f"{self.name!r} {described}" if self.name else described
+
+    def problem_counts(self) -> dict[str, int]:
+        counts = {kind: self.actions.get(kind, 0) for kind in ("error", "drop", "keep")}
+        counts["zeros"] = self.zeros
+        return {k: v for k, v in counts.items() if v}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "leaf_id": self.leaf_id,
+            "name": self.name,
+            "shape": self.shape,
+            "dtype": self.dtype,
+            "device": self.device,
+            "armed": self.armed,
+            "arrived": self.arrived,
+            "actions": {a: self.actions.get(a, 0) for a in ACTIONS},
+            "zeros": self.zeros,
+            "zero_copy": self.zero_copy,
+            "bytes": self.bytes,
+            "duration_us": round(self.duration_us, 1),
+            "backward_passes": len(self.backward_ids),
+            "problems": self.problem_counts(),
+        }
+
+
+@dataclass
+class Process:
+    """What the patch did in one process."""
+
+    pid: Any
+    torch: str | None = None
+    installed: int = 0
+    uninstalled: int = 0
+    skipped: list[str] = field(default_factory=list)
+    defects: dict[str, Any] = field(default_factory=dict)
+    d2_repairs: int = 0
+    internal_errors: Counter[str] = field(default_factory=Counter)
+    sink_failures: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "torch": self.torch,
+            "installed": self.installed,
+            "uninstalled": self.uninstalled,
+            "skipped": self.skipped,
+            "defects": self.defects,
+            "d2_repairs": self.d2_repairs,
+            "internal_errors": dict(self.internal_errors),
+            "sink_failures": dict(self.sink_failures),
+        }
+
+
+@dataclass
+class Summary:
+    """Everything the report says; built by :meth:`add` one parsed event at a time."""
+
+    files: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+    events: int = 0
+    by_event: Counter[str] = field(default_factory=Counter)
+    broken: int = 0
+    broken_examples: list[str] = field(default_factory=list)
+    unknown: int = 0
+    unknown_events: Counter[str] = field(default_factory=Counter)
+    leaves: dict[tuple[Any, Any], Leaf] = field(default_factory=dict)
+    processes: dict[Any, Process] = field(default_factory=dict)
+    backward_ids: set[tuple[Any, Any]] = field(default_factory=set)
+
+    # -- ingest ---------------------------------------------------------------------------------
+
+    def add_line(self, line: str, where: str) -> None:
+        text = line.strip()
+        if not text:
+            return
+        try:
+            record = json.loads(text)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+            self.broken += 1
+            if len(self.broken_examples) < _MAX_EXAMPLES:
+                self.broken_examples.append(where)
+            return
+        event = record["event"]
+        schema = record.get("schema")
+        if event not in KNOWN_EVENTS or not isinstance(schema, int) or schema > SCHEMA_VERSION:
+            self.unknown += 1
+            self.unknown_events[f"{event} (schema {schema})"] += 1
+            return
+        try:
+            self.add(record)
+        except (TypeError, ValueError, AttributeError):  # right event, wrong field types
+            self.broken += 1
+            if len(self.broken_examples) < _MAX_EXAMPLES:
+                self.broken_examples.append(where)
+
+    def _process(self, pid: Any) -> Process:
+        proc = self.processes.get(pid)
+        if proc is None:
+            proc = self.processes[pid] = Process(pid)
+        return proc
+
+    def _leaf(self, record: dict[str, Any]) -> Leaf:
+        key = (record.get("pid"), record.get("leaf_id"))
+        leaf = self.leaves.get(key)
+        if leaf is None:
+            leaf = self.leaves[key] = Leaf(*key)
+        for attr in ("name", "shape", "dtype", "device"):
+            value = record.get(attr)
+            if value is not None:
+                setattr(leaf, attr, value)
+        return leaf
+
+    def add(self, record: dict[str, Any]) -> None:
+        event = record["event"]
+        self.events += 1
+        self.by_event[event] += 1
+        pid = record.get("pid")
+        proc = self._process(pid)
+        if event == "leaf_armed":
+            self._leaf(record).armed += 1
+        elif event.startswith("fake_grad_"):
+            leaf = self._leaf(record)
+            leaf.arrived += 1
+            leaf.actions[str(record.get("action") or event.removeprefix("fake_grad_"))] += 1
+            leaf.zeros += record.get("source") == "zeros"
+            leaf.zero_copy += bool(record.get("zero_copy"))
+            leaf.bytes += int(record.get("bytes") or 0)
+            leaf.duration_us += float(record.get("duration_us") or 0.0)
+            backward_id = record.get("backward_id")
+            if backward_id is not None:
+                leaf.backward_ids.add(backward_id)
+                self.backward_ids.add((pid, backward_id))
+        elif event == "patch_installed":
+            proc.installed += 1
+            proc.torch = record.get("torch", proc.torch)
+            proc.defects.update(record.get("defects") or {})
+        elif event == "patch_skipped":
+            proc.torch = record.get("torch", proc.torch)
+            proc.skipped.append(str(record.get("reason")))
+        elif event == "patch_uninstalled":
+            proc.uninstalled += 1
+        elif event == "defect_probed":
+            proc.defects[str(record.get("defect"))] = record.get("present")
+        elif event == "d2_repaired":
+            proc.d2_repairs += 1
+        elif event == "internal_error":
+            proc.internal_errors[f"{record.get('where')}: {record.get('error')}"] += 1
+        elif event == "trace_sink_failed":
+            proc.sink_failures[f"{record.get('path')}: {record.get('error')}"] += 1
+
+    # -- results --------------------------------------------------------------------------------
+
+    def problems(self) -> list[dict[str, Any]]:
+        """Every problem, most serious first."""
+        out: list[dict[str, Any]] = []
+        for pid, proc in self.processes.items():
+            out += [
+                {"kind": "patch_skipped", "pid": pid, "count": 1, "detail": reason}
+                for reason in proc.skipped
+            ]
+            out += [
+                {"kind": "internal_error", "pid": pid, "count": n, "detail": detail}
+                for detail, n in proc.internal_errors.items()
+            ]
+        for kind, words in _LEAF_PROBLEMS.items():
+            for leaf in self.leaves.values():
+                count = leaf.problem_counts().get(kind, 0)
+                if count:
+                    out.append(
+                        {
+                            "kind": kind,
+                            "pid": leaf.pid,
+                            "leaf_id": leaf.leaf_id,
+                            "leaf": leaf.label(),
+                            "count": count,
+                            "detail": words,
+                        }
+                    )
+        for pid, proc in self.processes.items():
+            out += [
+                {"kind": "trace_sink_failed", "pid": pid, "count": n, "detail": detail}
+                for detail, n in proc.sink_failures.items()
+            ]
+        return out
+
+    def leaf_rows(self) -> list[Leaf]:
+        """Leaves that received fake gradients; those with problems first."""
+        rows = [leaf for leaf in self.leaves.values() if leaf.arrived]
+        return sorted(rows, key=lambda leaf: not leaf.problem_counts())
+
+    def as_dict(self) -> dict[str, Any]:
+        armed_only = sum(1 for leaf in self.leaves.values() if not leaf.arrived)
+        return {
+            "schema": SCHEMA_VERSION,
+            "files": self.files,
+            "unreadable_files": self.unreadable,
+            "events": self.events,
+            "by_event": dict(self.by_event),
+            "processes": len(self.processes),
+            "backward_passes": len(self.backward_ids),
+            "problems": self.problems(),
+            "leaves": [leaf.as_dict() for leaf in self.leaf_rows()],
+            "armed_without_fake_grad": armed_only,
+            "patch": [proc.as_dict() for proc in self.processes.values()],
+            "broken_lines": self.broken,
+            "broken_examples": self.broken_examples,
+            "unknown_lines": self.unknown,
+            "unknown_events": dict(self.unknown_events),
+        }
+
+
+def _lines(path: str) -> Iterator[str]:
+    if path == "-":
+        yield from sys.stdin
+        return
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        yield from fh
+
+
+def summarize(paths: Iterable[str]) -> Summary:
+    """Read every file (``-`` is stdin); unreadable files are recorded, not raised."""
+    summary = Summary()
+    for path in paths:
+        try:
+            for number, line in enumerate(_lines(path), 1):
+                summary.add_line(line, f"{path}:{number}")
+        except OSError as exc:
+            summary.unreadable.append(f"{path}: {exc.strerror or exc}")
+            continue
+        summary.files.append(path)
+    return summary
+
+
+# -- text report ----------------------------------------------------------------------------------
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {plural or (word + 'es' if word.endswith('s') else word + 's')}"
+
+
+def render_text(summary: Summary, out: TextIO) -> None:
+    """The human report (format documented in docs/trace-schema.md)."""
+    data = summary.as_dict()
+    w = out.write
+    w(
+        f"fakegrad_patch trace: {_plural(len(summary.files), 'file')}, "
+        f"{_plural(summary.events, 'event')}, {_plural(data['processes'], 'process')}, "
+        f"{_plural(data['backward_passes'], 'backward pass')}\n"
+    )
+    problems = data["problems"]
+    w(f"\nPROBLEMS ({len(problems)})\n" if problems else "\nPROBLEMS: none\n")
+    for p in problems:
+        where = f"{p['leaf']} (pid {p['pid']})" if "leaf" in p else f"pid {p['pid']}"
+        w(f"  ! {p['kind']} x{p['count']}: {where}: {p['detail']}\n")
+
+    rows = summary.leaf_rows()
+    w(f"\nLEAVES ({len(rows)} received fake gradients)\n")
+    if rows:
+        header = ("pid", "leaf", "arrived", "set", "accum", "drop", "error", "keep", "zeros")
+        w(
+            f"  {header[0]:<8} {header[1]:<36}"
+            + "".join(f" {h:>7}" for h in header[2:])
+            + f" {'zero-copy':>9} {'bytes copied':>13}\n"
+        )
+        for leaf in rows:
+            counts = [leaf.arrived, *(leaf.actions.get(a, 0) for a in ACTIONS), leaf.zeros]
+            mark = "!" if leaf.problem_counts() else " "
+            w(
+                f"{mark} {leaf.pid!s:<8} {leaf.label():<36}"
+                + "".join(f" {c:>7}" for c in counts)
+                + f" {leaf.zero_copy:>9} {_human_bytes(leaf.bytes):>13}\n"
+            )
+    if data["armed_without_fake_grad"]:
+        w(
+            f"  ({_plural(data['armed_without_fake_grad'], 'leaf', 'leaves')} armed but no fake gradient "
+            "arrived: forward-only fake runs)\n"
+        )
+
+    w("\nPATCH\n")
+    for proc in summary.processes.values():
+        state = []
+        if proc.installed:
+            state.append(f"installed x{proc.installed}")
+        if proc.skipped:
+            state.append(f"SKIPPED x{len(proc.skipped)}")
+        if proc.uninstalled:
+            state.append(f"uninstalled x{proc.uninstalled}")
+        defects = ", ".join(
+            f"{k}={'present' if v else 'absent'}" for k, v in sorted(proc.defects.items())
+        )
+        w(
+            f"  pid {proc.pid}: torch {proc.torch or '?'}; {', '.join(state) or 'no patch events'}"
+            f"; defects: {defects or 'none probed'}; D2 repairs: {proc.d2_repairs}\n"
+        )
+
+    if summary.broken or summary.unknown or summary.unreadable:
+        w("\nTRACE INPUT ISSUES\n")
+        for item in summary.unreadable:
+            w(f"  unreadable file: {item}\n")
+        if summary.broken:
+            w(
+                f"  {_plural(summary.broken, 'broken line')} (not a JSON object with an 'event'):"
+                f" {', '.join(summary.broken_examples)}"
+                + (" ..." if summary.broken > len(summary.broken_examples) else "")
+                + "\n"
+            )
+        if summary.unknown:
+            kinds = ", ".join(f"{k} x{n}" for k, n in summary.unknown_events.most_common())
+            w(f"  {_plural(summary.unknown, 'unknown line')}: {kinds}\n")
+
+
+def main(argv: list[str]) -> int:
+    """Exit codes: 0 normally; 1 with ``--strict`` when some line was broken or unknown; 2 when a
+    file could not be read."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fakegrad_patch trace",
+        description="Summarize fakegrad_patch trace files (JSONL, FAKEGRAD_TRACE=path). "
+        "Problems are listed first.",
+    )
+    parser.add_argument("files", nargs="+", metavar="FILE", help="trace file(s); - for stdin")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when any line is broken or unknown"
+    )
+    args = parser.parse_args(argv)
+    summary = summarize(args.files)
+    if args.json:
+        json.dump(summary.as_dict(), sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        render_text(summary, sys.stdout)
+    for item in summary.unreadable:
+        print(f"fakegrad_patch trace: cannot read {item}", file=sys.stderr)
+    if summary.unreadable:
+        return 2
+    if args.strict and (summary.broken or summary.unknown):
+        return 1
+    return 0
