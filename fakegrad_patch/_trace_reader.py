@@ -362,10 +362,8 @@ def render_text(summary: Summary, out: TextIO) -> None:
                 + f" {leaf.zero_copy:>9} {_human_bytes(leaf.bytes):>13}\n"
             )
     if data["armed_without_fake_grad"]:
-        w(
-            f"  ({_plural(data['armed_without_fake_grad'], 'leaf', 'leaves')} armed but no fake gradient "
-            "arrived: forward-only fake runs)\n"
-        )
+        armed = _plural(data["armed_without_fake_grad"], "leaf", "leaves")
+        w(f"  ({armed} armed but no fake gradient arrived: forward-only fake runs)\n")
 
     w("\nPATCH\n")
     for proc in summary.processes.values():
