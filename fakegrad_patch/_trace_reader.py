@@ -166,12 +166,12 @@ class Summary:
             self.unknown += 1
             self.unknown_events[f"{event} (schema {schema})"] += 1
             return
-        try:
-            self.add(record)
-        except (TypeError, ValueError, AttributeError):  # right event, wrong field types
+        if not _well_typed(record):  # right event, wrong field types
             self.broken += 1
             if len(self.broken_examples) < _MAX_EXAMPLES:
                 self.broken_examples.append(where)
+            return
+        self.add(record)
 
     def _process(self, pid: Any) -> Process:
         proc = self.processes.get(pid)
@@ -287,6 +287,33 @@ class Summary:
             "unknown_lines": self.unknown,
             "unknown_events": dict(self.unknown_events),
         }
+
+
+_NUMBER = (int, float)
+#: key -> accepted types (None is accepted everywhere: "not known")
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "pid": (int, str),
+    "leaf_id": (int, str),
+    "backward_id": (int, str),
+    "bytes": (int,),
+    "duration_us": _NUMBER,
+    "zero_copy": (bool,),
+    "shape": (list,),
+    "defects": (dict,),
+    "hooks_removed": (int,),
+}
+
+
+def _well_typed(record: dict[str, Any]) -> bool:
+    """Fields the summary adds up or keys on have the documented types (checked before any
+    counting, so a bad line never leaves half its effect)."""
+    for key, types in _FIELD_TYPES.items():
+        value = record.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            return False
+    return True
 
 
 def _lines(path: str) -> Iterator[str]:
