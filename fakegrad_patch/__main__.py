@@ -9,8 +9,14 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("fakegrad_patch._demo", "train a model one step inside FakeTensorMode, unpatched vs patched"),
-    "doctor": ("fakegrad_patch._doctor", "report versions, start-up hook, targets, defects, status"),
+    "demo": (
+        "fakegrad_patch._demo",
+        "train a model one step inside FakeTensorMode, unpatched vs patched",
+    ),
+    "doctor": (
+        "fakegrad_patch._doctor",
+        "report versions, start-up hook, targets, defects, status",
+    ),
     "trace": ("fakegrad_patch._trace_reader", "summarize trace files (JSONL)"),
     "sitecustomize": ("fakegrad_patch._sitecustomize", "print or append the sitecustomize line"),
 }

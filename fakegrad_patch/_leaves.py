@@ -1,8 +1,9 @@
 """The leaf registry: which real leaves are armed, and their human names.
 
 Arming a leaf registers a pre-hook on its AccumulateGrad node (``Node.register_prehook``; the
-node is found the way ``torch.autograd.graph.get_gradient_edge`` finds it, see _targets). Node pre-hooks run after
-every tensor hook on the leaf, so they see exactly what AccumulateGrad is about to accumulate.
+node is found the way ``torch.autograd.graph.get_gradient_edge`` finds it, see _targets). Node
+pre-hooks run after every tensor hook on the leaf, so they see exactly what AccumulateGrad is
+about to accumulate.
 
 Why this is free once the fake computation is gone: a leaf only holds a *weak* reference to its
 AccumulateGrad node; the graphs that use the leaf hold it strongly. We arm while the fake op that
@@ -38,7 +39,9 @@ PreHookFactory = Callable[["weakref.ref[torch.Tensor]"], Callable[[tuple[Any, ..
 class Registry:
     """Arms leaves with pre-hooks made by ``make_prehook``; one per installation."""
 
-    def __init__(self, make_prehook: PreHookFactory, grad_accumulator: Callable[[Any], Any]) -> None:
+    def __init__(
+        self, make_prehook: PreHookFactory, grad_accumulator: Callable[[Any], Any]
+    ) -> None:
         self._make_prehook = make_prehook
         self._grad_accumulator = grad_accumulator
 

@@ -171,7 +171,7 @@ class _Applied:
         self._cls = cls
         self._had_own_attr = _ATTR in cls.__dict__
         wrapt.wrap_function_wrapper(cls, _ATTR, self._from_real_tensor)
-        self._wrapper = cls.__dict__[_ATTR]
+        self._wrapper: Any = cls.__dict__[_ATTR]
 
     # -- the wrapper around FakeTensorConverter.from_real_tensor --------------------------------
 
@@ -183,7 +183,7 @@ class _Applied:
             return fake
         try:
             t = args[1] if len(args) > 1 else kwargs["t"]
-            if t.requires_grad and self._torch.is_grad_enabled():
+            if t.requires_grad:
                 self.registry.arm_tensor(t)
             if type(t) is not self._torch.Tensor:
                 self._repair_d2(fake, t)

@@ -91,8 +91,9 @@ PROPAGATE_CONFIG = Target(
 #: mode's dispatch, i.e. below the Autograd key with most keys excluded; reaching the leaf's
 #: AccumulateGrad node (``leaf.view_as(leaf).grad_fn.next_functions[0][0]``, what the public
 #: ``torch.autograd.graph.get_gradient_edge`` does) needs the dispatch state of ordinary code.
-#: We capture that state (include/exclude sets) when the patch is applied and force it for the
-#: few microseconds of the lookup.
+#: We capture that state (include/exclude sets) when the patch is applied and force it, with the
+#: Python dispatch keys (``torch._C.DispatchKey.Python``, ``PythonTLSSnapshot``, ``PreDispatch``)
+#: excluded so no mode sees the lookup, for the few microseconds it takes.
 FORCE_DISPATCH_KEY_GUARD = Target(
     "torch._C",
     "_ForceDispatchKeyGuard",
@@ -215,26 +216,34 @@ def resolve_all() -> Resolved:
         disable_current_modes=disable_current_modes,
         functorch_config=importlib.import_module(PROPAGATE_CONFIG.module),
         graph_task_id=_resolve_optional(GRAPH_TASK_ID),
-        grad_accumulator=_make_grad_accumulator_getter(disable_current_modes),
+        grad_accumulator=_make_grad_accumulator_getter(),
         tensor_use_count=resolve(TENSOR_USE_COUNT),
     )
 
 
-def _make_grad_accumulator_getter(disable_current_modes: Callable[[], Any]) -> Callable[[Any], Any]:
+def _make_grad_accumulator_getter() -> Callable[[Any], Any]:
     """``get(leaf) -> AccumulateGrad node``, usable from inside fake dispatch.
 
     Same lookup as ``torch.autograd.graph.get_gradient_edge(leaf).node``, run with the dispatch
-    state captured here (ordinary code: autograd on, no key excluded but autocast's) and every
-    dispatch mode disabled, so the temporary view is a real autograd view of the real leaf.
+    key state of ordinary code (captured here: autograd on, only autocast excluded) plus the
+    Python keys excluded, so no dispatch mode or subclass sees the temporary view: it is a real
+    autograd view of the real leaf. Cheaper than popping the mode stack.
     """
     import torch
 
     guard = resolve(FORCE_DISPATCH_KEY_GUARD)
+    keys = torch._C.DispatchKeySet
     include = resolve(TLS_INCLUDE_SET)()
-    exclude = resolve(TLS_EXCLUDE_SET)()
+    exclude = (
+        resolve(TLS_EXCLUDE_SET)()
+        | keys(torch._C.DispatchKey.Python)
+        | keys(torch._C.DispatchKey.PythonTLSSnapshot)
+        | keys(torch._C.DispatchKey.PreDispatch)
+    )
+    enable_grad = torch.enable_grad
 
     def get(leaf: Any) -> Any:
-        with guard(include, exclude), disable_current_modes(), torch.enable_grad():
+        with guard(include, exclude), enable_grad():
             return leaf.view_as(leaf).grad_fn.next_functions[0][0]
 
     return get

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.usefixtures("propagate")
 
 def mlp(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)
-    ).to(device=device, dtype=dtype)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(
+        device=device, dtype=dtype
+    )
 
 
 def test_plain_leaf_gets_real_grad_equal_to_eager(device: torch.device) -> None:
@@ -60,7 +60,9 @@ def test_layernorm(device: torch.device) -> None:
         return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).to(device)
 
     x = torch.randn(4, 8, device=device)
-    model, ref = fake_and_eager(make, lambda m: (m(x) * torch.arange(8.0, device=device)).sum().backward())
+    model, ref = fake_and_eager(
+        make, lambda m: (m(x) * torch.arange(8.0, device=device)).sum().backward()
+    )
     assert_real_grads_equal(model, ref, atol=1e-5)
 
 
@@ -249,8 +251,9 @@ def test_expanded_leaf_cannot_propagate_upstream_but_zeros_policy_obeys_contract
     weight = torch.randn(3, 2)
     with pytest.raises(RuntimeError, match="more than one element"), fake_mode():
         (leaf @ weight).sum().backward()
-    import fakegrad_patch
     import torch._functorch.config as functorch_config
+
+    import fakegrad_patch
 
     with (
         functorch_config.patch(fake_tensor_propagate_real_tensors=False),

@@ -1,0 +1,194 @@
+"""Issue 3, points 4, 9 and 10: D2 repair by probe, public API, install/uninstall exactness, the
+seed's upstream test, and the single touch-point module."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import inspect
+import pathlib
+
+import pytest
+import torch
+import torch._prims as prims
+from _helpers import fake_mode, is_real
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode
+
+import fakegrad_patch
+from fakegrad_patch import _probes, _targets, trace
+
+PACKAGE = pathlib.Path(fakegrad_patch.__file__).parent
+
+
+def _unpatched_parameter_copy_is_wrong() -> bool:
+    """What the D2 probe should answer, measured independently with the patch removed."""
+    fakegrad_patch.uninstall()
+    try:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+            values = torch.randn(32, 32)
+            fake = FakeTensorMode().from_tensor(torch.nn.Parameter(values.clone()))
+            return not torch.equal(fake.real_tensor, values)
+    finally:
+        fakegrad_patch.install()
+
+
+def test_d2_probe_matches_the_behaviour_of_this_build() -> None:
+    applied = fakegrad_patch._patch.current()
+    assert applied is not None
+    assert applied.probes.has(_probes.D2) == _unpatched_parameter_copy_is_wrong()
+
+
+@pytest.mark.usefixtures("propagate")
+def test_parameter_values_are_right_under_propagation() -> None:
+    """D2 repaired where present: values computed from parameters equal eager values."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    x = torch.randn(2, 5)
+    with fake_mode():
+        out = model(x)
+        real_out = out.real_tensor
+    torch.testing.assert_close(real_out, model(x).detach())
+
+
+@pytest.mark.usefixtures("propagate")
+def test_d2_repair_is_traced_only_where_the_build_needs_it() -> None:
+    applied = fakegrad_patch._patch.current()
+    assert applied is not None
+    needed = applied.probes.has(_probes.D2)
+    trace.set_level(trace.INFO)
+    trace.clear()
+    model = torch.nn.Linear(4, 2)  # built outside the mode: real parameters
+    with fake_mode():
+        model(torch.randn(3, 4))
+    repaired = [e for e in trace.events() if e["event"] == "d2_repaired"]
+    assert bool(repaired) == needed
+
+
+@pytest.mark.usefixtures("propagate")
+@pytest.mark.parametrize("as_parameter", [False, True])
+def test_upstream_fake_grad_copy_under_propagation(as_parameter: bool) -> None:
+    """The seed's test_fake_grad_copy (PropagateRealTensors variant), plain tensor and Parameter:
+    metadata of the fake and of its fake grad match, and the propagated values are the source's."""
+    x = torch.rand([4, 4], requires_grad=True)
+    if as_parameter:
+        x = torch.nn.Parameter(x.detach())
+    x.grad = torch.rand([4, 4])
+    mode = FakeTensorMode()
+    fake_x = mode.from_tensor(x)
+    prims.utils.compare_tensor_meta(fake_x, x)
+    prims.utils.compare_tensor_meta(fake_x.grad, x.grad)
+    assert isinstance(fake_x.grad, FakeTensor)
+    assert torch.equal(fake_x.real_tensor, x.detach())
+    assert torch.equal(fake_x.grad.real_tensor, x.grad)
+
+
+def test_import_installs_and_is_idempotent() -> None:
+    assert fakegrad_patch.is_installed()
+    wrapper = FakeTensorConverter.__dict__["from_real_tensor"]
+    assert fakegrad_patch.install() is True
+    assert FakeTensorConverter.__dict__["from_real_tensor"] is wrapper  # not wrapped twice
+
+
+def test_uninstall_restores_the_original_function_exactly() -> None:
+    wrapper = FakeTensorConverter.__dict__["from_real_tensor"]
+    original = wrapper.__wrapped__
+    assert fakegrad_patch.uninstall() is True
+    try:
+        assert FakeTensorConverter.__dict__["from_real_tensor"] is original
+        assert not fakegrad_patch.is_installed()
+        assert fakegrad_patch.uninstall() is False  # second time: nothing to do
+    finally:
+        fakegrad_patch.install()
+    assert FakeTensorConverter.__dict__["from_real_tensor"].__wrapped__ is original
+
+
+@pytest.mark.usefixtures("propagate")
+def test_uninstall_removes_hooks_from_live_graphs() -> None:
+    w = torch.randn(3, 3, requires_grad=True)
+    with fake_mode():
+        loss = (torch.randn(2, 3) @ w).sum()
+        assert fakegrad_patch.status()["armed_leaves"] == 1
+        fakegrad_patch.uninstall()
+        try:
+            loss.backward()
+        finally:
+            fakegrad_patch.install()
+    assert isinstance(w.grad, FakeTensor)  # upstream behaviour: our hook is really gone
+
+
+@pytest.mark.usefixtures("propagate")
+def test_patched_context_manager_is_scoped() -> None:
+    fakegrad_patch.uninstall()
+    try:
+        with fakegrad_patch.patched(on_missing="zeros"):
+            assert fakegrad_patch.is_installed()
+            assert fakegrad_patch.settings().on_missing == "zeros"
+            w = torch.randn(3, 3, requires_grad=True)
+            with fake_mode():
+                (torch.randn(2, 3) @ w).sum().backward()
+            assert is_real(w.grad)
+        assert not fakegrad_patch.is_installed()
+        assert fakegrad_patch.settings().on_missing == "drop"
+    finally:
+        fakegrad_patch.install()
+
+
+def test_public_api_is_small_and_documented() -> None:
+    for name in fakegrad_patch.__all__:
+        obj = getattr(fakegrad_patch, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            assert obj.__doc__, f"{name} has no docstring"
+    assert issubclass(fakegrad_patch.FakeGradError, RuntimeError)
+
+
+def test_name_parameters_is_weak() -> None:
+    model = torch.nn.Linear(2, 2)
+    assert fakegrad_patch.name_parameters(model, prefix="enc") == 2
+    from fakegrad_patch import _leaves
+
+    assert _leaves.name_of(model.weight) == "enc.weight"
+    before = len(_leaves._names)
+    del model
+    gc.collect()
+    assert len(_leaves._names) == before - 2
+
+
+def _private_torch_uses(path: pathlib.Path) -> list[str]:
+    """Attribute chains starting at ``torch`` that go through a private (``_x``) name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            chain = []
+            cur: ast.AST = node
+            while isinstance(cur, ast.Attribute):
+                chain.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name) and cur.id == "torch":
+                dotted = ".".join(["torch", *reversed(chain)])
+                if any(p.startswith("_") and not p.startswith("__") for p in chain):
+                    found.append(dotted)
+        elif isinstance(node, ast.ImportFrom):
+            parts = (node.module or "").split(".")
+            if parts[0] == "torch" and any(p.startswith("_") for p in parts):
+                found.append(node.module or "")
+    return found
+
+
+def test_private_torch_is_touched_only_in_targets_module() -> None:
+    offenders = {}
+    for path in PACKAGE.glob("*.py"):
+        if path.name == "_targets.py":
+            continue
+        uses = _private_torch_uses(path)
+        if uses:
+            offenders[path.name] = uses
+    assert offenders == {}
+
+
+def test_every_target_has_a_banner_and_resolves_here() -> None:
+    for target, reason in _targets.report():
+        assert target.why and target.checked_on
+        if target not in _targets.OPTIONAL_TARGETS:
+            assert reason is None, f"{target.dotted}: {reason}"

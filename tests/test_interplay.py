@@ -1,0 +1,236 @@
+"""Issue 3, points 6-8: real gradients left alone, autograd features, hooks, tools stacked with the
+fake mode, exceptions, no leaks, and no cost once the fake graph is gone."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from _helpers import assert_real_grads_equal, fake_mode, is_real
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+import fakegrad_patch
+
+pytestmark = pytest.mark.usefixtures("propagate")
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def test_real_gradients_after_the_block_are_left_to_autograd() -> None:
+    """S05b: backward with real grad_tensors after the block computes real grads by itself."""
+    model, ref = mlp(), mlp()
+    x = torch.randn(3, 8)
+    with fake_mode():
+        y = model[0](x)
+    seed = torch.randn(3, 16)
+    torch.autograd.backward([y], [seed])
+    torch.autograd.backward([ref[0](x)], [seed])
+    assert is_real(model[0].weight.grad)
+    torch.testing.assert_close(model[0].weight.grad, ref[0].weight.grad)
+
+
+def test_backward_inputs_fills_only_the_listed_leaves() -> None:
+    model, ref = mlp(), mlp()
+    x = torch.randn(3, 8)
+    with fake_mode():
+        model(x).sum().backward(inputs=[model[0].weight])
+    ref(x).sum().backward(inputs=[ref[0].weight])
+    assert is_real(model[0].weight.grad)
+    torch.testing.assert_close(model[0].weight.grad, ref[0].weight.grad)
+    assert model[0].bias.grad is None and model[2].weight.grad is None
+
+
+def test_autograd_grad_keeps_working_and_leaves_grad_untouched() -> None:
+    model = mlp()
+    x = torch.randn(3, 8)
+    with fake_mode():
+        grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    assert all(isinstance(g, FakeTensor) for g in grads)  # functional grads stay fake
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_frozen_parameters_are_untouched() -> None:
+    model = mlp()
+    model[0].requires_grad_(False)
+    with fake_mode():
+        model(torch.randn(3, 8)).sum().backward()
+    assert model[0].weight.grad is None and model[0].bias.grad is None
+    assert is_real(model[2].weight.grad)
+
+
+def test_tied_weights() -> None:
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 6)
+        out = torch.nn.Linear(6, 10, bias=False)
+        out.weight = emb.weight
+        return torch.nn.ModuleDict({"emb": emb, "out": out})
+
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    model, ref = make(), make()
+    with fake_mode():
+        model["out"](model["emb"](tokens)).logsumexp(-1).sum().backward()
+    ref["out"](ref["emb"](tokens)).logsumexp(-1).sum().backward()
+    assert_real_grads_equal(model, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant: bool) -> None:
+    model, ref = mlp(), mlp()
+    x = torch.randn(3, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with fake_mode():
+        checkpoint(model, x, use_reentrant=reentrant).sum().backward()
+    checkpoint(ref, x_ref, use_reentrant=reentrant).sum().backward()
+    assert_real_grads_equal(model, ref)
+    assert is_real(x.grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("order", ["flop_outside", "flop_inside"])
+def test_flop_counter_stacked_with_the_fake_mode(order: str) -> None:
+    model, ref = mlp(), mlp()
+    x = torch.randn(3, 8)
+    flops = FlopCounterMode(display=False)
+    if order == "flop_outside":
+        with flops, fake_mode():
+            model(x).sum().backward()
+    else:
+        with fake_mode(), flops:
+            model(x).sum().backward()
+    eager_flops = FlopCounterMode(display=False)
+    with eager_flops:
+        ref(x).sum().backward()
+    assert flops.get_total_flops() == eager_flops.get_total_flops()
+    assert_real_grads_equal(model, ref)
+
+
+def test_tensor_hook_sees_the_fake_grad_and_its_result_is_materialized() -> None:
+    model, ref = mlp(), mlp()
+    x = torch.randn(3, 8)
+    seen: list[type] = []
+
+    def double(grad: torch.Tensor) -> torch.Tensor:
+        seen.append(type(grad))
+        return grad * 2
+
+    model[0].weight.register_hook(double)
+    ref[0].weight.register_hook(lambda g: g * 2)
+    with fake_mode():
+        model(x).sum().backward()
+    ref(x).sum().backward()
+    assert seen == [FakeTensor]  # documented: the hook runs inside the fake backward
+    assert_real_grads_equal(model, ref)
+
+
+def test_post_accumulate_hook_sees_the_real_grad() -> None:
+    model = mlp()
+    observed: list[tuple[bool, torch.Tensor]] = []
+
+    def hook(param: torch.Tensor) -> None:
+        observed.append((is_real(param.grad), param.grad))
+
+    model[2].weight.register_post_accumulate_grad_hook(hook)
+    with fake_mode():
+        model(torch.randn(3, 8)).sum().backward()
+    assert len(observed) == 1
+    was_real, grad = observed[0]
+    assert was_real and grad is model[2].weight.grad
+
+
+def test_exception_mid_backward_leaves_real_or_previous_grads_and_no_stale_state() -> None:
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom in backward")
+
+    model = mlp()
+    model[0].bias.grad = torch.ones(16)
+    prior = model[0].bias.grad
+    x = torch.randn(3, 8)
+    with fake_mode():
+        hidden = Boom.apply(model[0](x))  # the failure sits between the two layers
+        loss = model[2](torch.tanh(hidden)).sum()
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            loss.backward()
+    for p in model.parameters():
+        assert p.grad is None or is_real(p.grad)
+    assert is_real(model[2].weight.grad)  # reached before the failure
+    assert model[0].bias.grad is prior and torch.equal(prior, torch.ones(16))
+    # the next backward works and accumulates normally
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    with fake_mode():
+        model(x).sum().backward()
+    ref(x).sum().backward()
+    assert_real_grads_equal(model, ref)
+
+
+def test_leaves_and_modes_are_not_kept_alive() -> None:
+    model = mlp()
+    mode = fake_mode()
+    with mode:
+        model(torch.randn(3, 8)).sum().backward()
+    model_ref, mode_ref = weakref.ref(model), weakref.ref(mode)
+    param_ref = weakref.ref(model[0].weight)
+    del model, mode
+    gc.collect()
+    assert model_ref() is None and param_ref() is None and mode_ref() is None
+
+
+def test_no_hooks_remain_once_the_fake_graph_is_gone() -> None:
+    """Point 8: real training after a fake session runs no Python code of the patch."""
+    model = mlp()
+    x = torch.randn(3, 8)
+    with fake_mode():
+        loss = model(x).sum()
+        assert fakegrad_patch.status()["armed_leaves"] == 4
+        loss.backward()
+    del loss
+    gc.collect()
+    assert fakegrad_patch.status()["armed_leaves"] == 0
+    applied = fakegrad_patch._patch.current()
+    assert applied is not None
+    calls = 0
+    original = applied.materializer.on_fake_grad
+
+    def counting(*args: object) -> object:
+        nonlocal calls
+        calls += 1
+        return original(*args)  # type: ignore[arg-type]
+
+    applied.materializer.on_fake_grad = counting  # type: ignore[method-assign]
+    try:
+        model.zero_grad()
+        model(x).sum().backward()  # real backward: AccumulateGrad nodes are fresh, hook-free
+    finally:
+        del applied.materializer.on_fake_grad
+    assert calls == 0
+    assert all(is_real(p.grad) for p in model.parameters())
+
+
+def test_optimizer_step_after_patched_fake_backward_moves_parameters() -> None:
+    model, ref = mlp(), mlp()
+    x = torch.randn(3, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with fake_mode():
+        model(x).sum().backward()
+    ref(x).sum().backward()
+    opt.step()
+    ref_opt.step()
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, r)
