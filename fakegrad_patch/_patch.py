@@ -172,6 +172,7 @@ class _Applied:
         self._had_own_attr = _ATTR in cls.__dict__
         wrapt.wrap_function_wrapper(cls, _ATTR, self._from_real_tensor)
         self._wrapper: Any = cls.__dict__[_ATTR]
+        self._original: Any = self._wrapper.__wrapped__
 
     # -- the wrapper around FakeTensorConverter.from_real_tensor --------------------------------
 
@@ -254,7 +255,7 @@ class _Applied:
         current = self._cls.__dict__.get(_ATTR)
         if current is self._wrapper:
             if self._had_own_attr:
-                setattr(self._cls, _ATTR, self._wrapper.__wrapped__)
+                setattr(self._cls, _ATTR, self._original)
             else:
                 delattr(self._cls, _ATTR)
         else:
