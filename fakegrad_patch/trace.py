@@ -246,6 +246,7 @@ def _floor_level(level: int) -> int:
 # -- the pipeline ---------------------------------------------------------------------------------
 
 _PLAIN = (str, int, float, bool, type(None))
+_PLAIN_TYPES = frozenset(_PLAIN)  # exact types: the fast path of _envelope
 
 
 def _scrub(value: Any, depth: int = 0) -> Any:
@@ -275,7 +276,7 @@ def _envelope(
     }
     for key, value in event_dict.items():
         if key not in out:
-            out[key] = value if isinstance(value, _PLAIN) else _scrub(value)
+            out[key] = value if type(value) in _PLAIN_TYPES else _scrub(value)
     return out
 
 
