@@ -1,0 +1,1 @@
+"""Benchmarks of fakegrad_patch (pytest-benchmark); see docs/performance.md."""

@@ -1,0 +1,132 @@
+"""pytest-benchmark harness for fakegrad_patch: devices, paired slots, run order, JSON metadata.
+
+Run (docs/performance.md)::
+
+    python -m pytest benchmarks --benchmark-json=bench-results/bench.json
+    python benchmarks/ratios.py bench-results/bench.json
+
+A test takes ``device`` (``cpu``; ``cuda`` only when ``torch.cuda.is_available()``, otherwise
+skipped with a reason) and ``slot`` (see _support.py) when it carries ``@pytest.mark.paired(
+baseline, other, ...)``. Benchmarks assert nothing about speed; they only check that each variant
+really is what it claims to be (patch installed or not, grads real or fake).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fakegrad_patch
+from benchmarks import _support
+
+CUDA = torch.cuda.is_available()
+NO_CUDA_REASON = "no CUDA device (torch.cuda.is_available() is False); CUDA numbers pending"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fakegrad_patch benchmarks")
+    group.addoption(
+        "--bench-blocks",
+        type=int,
+        default=4,
+        help="paired blocks per case (variants alternate, order reversed every other block; "
+        "keep it even so that each variant runs first equally often)",
+    )
+    group.addoption(
+        "--bench-scale",
+        type=float,
+        default=1.0,
+        help="multiplier for every case's rounds (0.2 for a smoke run, 3 for a quiet machine)",
+    )
+    group.addoption(
+        "--bench-threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads for the run (1: steadier on a shared 2-core machine)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "paired(baseline, *others): a paired benchmark case; parametrizes `slot`"
+    )
+    _support.SCALE = config.getoption("--bench-scale")
+    torch.set_num_threads(config.getoption("--bench-threads"))
+    # Uninitialised or garbage real values (unpatched 2.13, D2) can be denormal; without this
+    # they would slow the unpatched side down and flatter the patch.
+    torch.set_flush_denormal(True)
+    out = config.getoption("benchmark_json", default=None)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize(
+            "device",
+            [
+                "cpu",
+                pytest.param(
+                    "cuda",
+                    marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason=NO_CUDA_REASON)],
+                ),
+            ],
+        )
+    marker = metafunc.definition.get_closest_marker("paired")
+    if marker is not None:
+        blocks = metafunc.config.getoption("--bench-blocks")
+        case_slots = _support.slots(tuple(marker.args), blocks)
+        metafunc.parametrize("slot", case_slots, ids=[s.id for s in case_slots])
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run one case's slots back to back, in slot order (pytest's own order interleaves the
+    parametrizations differently); cases keep their collection order."""
+
+    def case_key(item: pytest.Item) -> tuple[Any, ...]:
+        spec = getattr(item, "callspec", None)
+        params = {} if spec is None else {k: v for k, v in spec.params.items() if k != "slot"}
+        return (item.path, getattr(item, "originalname", item.name), repr(sorted(params.items())))
+
+    first_seen: dict[tuple[Any, ...], int] = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(case_key(item), index)
+
+    def slot_order(item: pytest.Item) -> int:
+        spec = getattr(item, "callspec", None)
+        slot = None if spec is None else spec.params.get("slot")
+        return 0 if slot is None else slot.order
+
+    items.sort(key=lambda item: (first_seen[case_key(item)], slot_order(item)))
+
+
+@pytest.fixture(autouse=True)
+def _restore_state() -> Any:
+    """Each benchmark leaves the patch installed and the trace as it found them."""
+    from fakegrad_patch import trace
+
+    config = trace.current_config() if hasattr(trace, "current_config") else None
+    yield
+    fakegrad_patch.install()
+    if config is not None:
+        trace.restore(config)
+
+
+def pytest_benchmark_update_json(config: pytest.Config, benchmarks: Any, output_json: dict) -> None:
+    """Record what the ratios depend on: torch build, threads, defects the patch detected."""
+    applied = fakegrad_patch._patch.current()
+    output_json["fakegrad_patch"] = {
+        "version": fakegrad_patch.__version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": CUDA,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "blocks": config.getoption("--bench-blocks"),
+        "scale": config.getoption("--bench-scale"),
+        "defects": applied.probes.detected() if applied is not None else None,
+    }

@@ -1,0 +1,196 @@
+"""Print the ratio table of a benchmark run (a ``--benchmark-json`` file) as Markdown.
+
+Usage::
+
+    python benchmarks/ratios.py bench-results/bench.json [more.json ...]
+
+For every case and device, the rounds of each variant are pooled over the run's blocks (both
+sides come from the same process, interleaved; see benchmarks/_support.py) and the medians are
+divided: ratio = median(variant) / median(baseline). ``blocks`` gives the lowest and highest ratio
+of the per-block medians, a measure of the noise. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+CASE_ORDER = ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"]
+
+
+def fmt_time(seconds: float, sign: bool = False) -> str:
+    """``1.23 ms``; with ``sign``, ``+1.23 ms`` / ``-1.23 ms``."""
+    prefix = ("+" if seconds >= 0 else "-") if sign else ("-" if seconds < 0 else "")
+    magnitude = abs(seconds)
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if magnitude >= scale:
+            return f"{prefix}{magnitude / scale:.3g} {unit}"
+    return f"{prefix}{magnitude / 1e-9:.3g} ns"
+
+
+def _data(bench: dict[str, Any]) -> list[float]:
+    stats = bench["stats"]
+    return list(stats.get("data") or [stats["median"]])
+
+
+def group_runs(doc: dict[str, Any]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    """(case, device, detail) -> the benchmarks of that case, from ``extra_info``."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for bench in doc.get("benchmarks", []):
+        info = bench.get("extra_info", {})
+        if "case" in info and "variant" in info:
+            groups[(info["case"], info["device"], info["detail"])].append(bench)
+    return groups
+
+
+def _note(case: str, benches: list[dict[str, Any]], variant: str, delta: float) -> str:
+    infos = [b["extra_info"] for b in benches if b["extra_info"]["variant"] == variant]
+    if case == "P4":
+        events = sum(i.get("set_events", 0) for i in infos)
+        zero = sum(i.get("zero_copy_events", 0) for i in infos)
+        copied = sum(i.get("bytes_copied", 0) for i in infos)
+        dur = [i["median_duration_us"] for i in infos if "median_duration_us" in i]
+        extra = f", {statistics.median(dur):.0f} µs/leaf in the hook" if dur else ""
+        return f"{zero}/{events} set events zero-copy, {copied} bytes copied{extra}"
+    if case == "P5":
+        size = infos[0].get("bytes", 0) if infos else 0
+        return f"{size / 2**20:.0f} MiB per call; Δ {fmt_time(delta, sign=True)} per call"
+    if case == "P1":
+        armed = sorted(
+            {i["armed_leaves_before_step"] for i in infos if "armed_leaves_before_step" in i}
+        )
+        return f"hooked leaves before the real steps: {armed}" if armed else ""
+    if case == "P6":
+        mods = sorted({m for i in infos for m in i.get("extra_modules_at_startup", [])})
+        return "extra modules at start-up: " + (", ".join(mods) if mods else "none")
+    if case == "P7":
+        calls = infos[0].get("interceptions_per_round", 0) if infos else 0
+        return f"{delta / calls * 1e6:+.2f} µs per interception" if calls else ""
+    return ""
+
+
+def _met(case: str, goal: Any, ratio: float, benches: list[dict[str, Any]], variant: str) -> str:
+    if goal is None:
+        return "-"
+    if isinstance(goal, (int, float)):
+        return "yes" if ratio <= goal else "**no**"
+    if case == "P4":
+        infos = [b["extra_info"] for b in benches if b["extra_info"]["variant"] == variant]
+        events = sum(i.get("set_events", 0) for i in infos)
+        copied = sum(i.get("bytes_copied", 0) for i in infos)
+        return "yes" if events and copied == 0 else "**no**"
+    return "?"
+
+
+def rows(doc: dict[str, Any]) -> list[list[str]]:
+    out: list[list[str]] = []
+    groups = group_runs(doc)
+
+    def order(key: tuple[str, str, str]) -> tuple[int, str, str]:
+        case, device, detail = key
+        rank = CASE_ORDER.index(case) if case in CASE_ORDER else len(CASE_ORDER)
+        return (rank, device, detail)
+
+    for key in sorted(groups, key=order):
+        case, device, detail = key
+        benches = groups[key]
+        first = benches[0]["extra_info"]
+        baseline, variants = first["baseline"], first["variants"]
+        pooled: dict[str, list[float]] = defaultdict(list)
+        per_block: dict[tuple[str, int], float] = {}
+        for b in benches:
+            info = b["extra_info"]
+            pooled[info["variant"]].extend(_data(b))
+            per_block[(info["variant"], info["block"])] = b["stats"]["median"]
+        if baseline not in pooled:
+            continue
+        base_median = statistics.median(pooled[baseline])
+        for variant in variants:
+            if variant == baseline or variant not in pooled:
+                continue
+            median = statistics.median(pooled[variant])
+            ratio = median / base_median
+            block_ratios = [
+                per_block[(variant, blk)] / per_block[(baseline, blk)]
+                for (v, blk) in per_block
+                if v == variant and (baseline, blk) in per_block
+            ]
+            spread = f"{min(block_ratios):.3f}-{max(block_ratios):.3f}" if block_ratios else "-"
+            goal = first.get("goal")
+            out.append(
+                [
+                    case,
+                    device,
+                    detail,
+                    f"{variant} / {baseline}",
+                    fmt_time(base_median),
+                    fmt_time(median),
+                    f"{ratio:.3f}",
+                    spread,
+                    "-"
+                    if goal is None
+                    else (f"≤ {goal:.2f}" if not isinstance(goal, str) else goal),
+                    _met(case, goal, ratio, benches, variant),
+                    _note(case, benches, variant, median - base_median),
+                ]
+            )
+    return out
+
+
+HEADER = [
+    "case",
+    "device",
+    "what",
+    "compared",
+    "baseline median",
+    "variant median",
+    "ratio",
+    "blocks",
+    "goal",
+    "met?",
+    "note",
+]
+
+
+def render(doc: dict[str, Any], source: str) -> str:
+    meta = doc.get("fakegrad_patch", {})
+    machine = doc.get("machine_info", {})
+    cpu = machine.get("cpu", {}).get("brand_raw") or machine.get("processor", "?")
+    lines = [
+        f"### {source}",
+        "",
+        f"torch {meta.get('torch', '?')} (CUDA build: {meta.get('torch_cuda') or 'no'}, "
+        f"CUDA available: {meta.get('cuda_available', '?')}), {meta.get('cpu_count', '?')} CPUs "
+        f"({cpu}), torch threads {meta.get('threads', '?')}, {meta.get('blocks', '?')} blocks, "
+        f"round scale {meta.get('scale', '?')}, defects detected: {meta.get('defects', '?')}",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "|".join("---" for _ in HEADER) + "|",
+    ]
+    table = rows(doc)
+    lines += ["| " + " | ".join(r) + " |" for r in table]
+    devices = {r[1] for r in table}
+    if "cuda" not in devices:
+        lines += ["", "No CUDA rows: the CUDA cases were skipped (no CUDA device in this run)."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", nargs="+", type=Path, help="--benchmark-json output file(s)")
+    args = parser.parse_args(argv)
+    for i, path in enumerate(args.json):
+        doc = json.loads(path.read_text())
+        if i:
+            print()
+        print(render(doc, path.name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
