@@ -234,3 +234,33 @@ def test_optimizer_step_after_patched_fake_backward_moves_parameters() -> None:
     ref_opt.step()
     for p, r in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, r)
+
+
+def test_optimizer_in_backward_hook_with_fake_mode_unset_matches_eager() -> None:
+    """The documented recipe for post-accumulate hooks that must act on real tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    model, ref = mlp(), mlp()
+    x = torch.randn(3, 8)
+
+    def attach(m: torch.nn.Module, unset: bool) -> None:
+        for p in m.parameters():
+            opt = torch.optim.SGD([p], lr=0.1)
+
+            def step(param: torch.Tensor, opt: torch.optim.Optimizer = opt) -> None:
+                if unset:
+                    with unset_fake_temporarily():
+                        opt.step()
+                else:
+                    opt.step()
+                param.grad = None
+
+            p.register_post_accumulate_grad_hook(step)
+
+    attach(model, unset=True)
+    attach(ref, unset=False)
+    with fake_mode():
+        model(x).sum().backward()
+    ref(x).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, r)
