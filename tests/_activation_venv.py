@@ -1,0 +1,230 @@
+"""Throw-away virtual environments with fakegrad_patch really installed, for the activation tests.
+
+Start-up hooks only exist in an installed distribution, so these tests need a venv where the
+wheel (or an editable install) was installed by pip. Installing torch into each venv would take
+minutes, so each venv sees the *running* interpreter's packages (torch, wrapt, structlog,
+pytest) through a ``zz_fakegrad_test_base.pth`` path file. Its name sorts after
+``fakegrad_patch.pth`` on purpose: when our hook runs, wrapt and torch are not importable yet,
+which proves the hook waits for the end of ``site`` before importing anything.
+
+Environments are cached under the temp directory, keyed by the interpreter and a hash of the
+package sources, so a second test session reuses them (a lock serialises concurrent sessions).
+
+``python tests/_activation_venv.py [RUNS]`` prints the start-up overhead quoted in
+docs/activation.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fakegrad_patch"
+HOOKS = PACKAGE / "_hooks"
+CACHE = Path(tempfile.gettempdir()) / "fakegrad_patch_activation"
+BASE_PTH = "zz_fakegrad_test_base.pth"
+#: Variables that would change what a child interpreter does at start-up.
+SCRUBBED = ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONNOUSERSITE")
+
+
+@dataclass(frozen=True)
+class Venv:
+    path: Path
+
+    @property
+    def python(self) -> str:
+        return str(self.path / "bin" / "python")
+
+    @property
+    def site_packages(self) -> Path:
+        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        return self.path / "lib" / version / "site-packages"
+
+    def run(
+        self,
+        code: str,
+        env: Mapping[str, str] | None = None,
+        options: tuple[str, ...] = (),
+        cwd: str | os.PathLike[str] | None = None,
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``code`` in a fresh interpreter of this venv, FAKEGRAD_* unset unless given."""
+        return run([self.python, *options, "-c", code], env=env, cwd=cwd, timeout=timeout)
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("FAKEGRAD_") and k not in SCRUBBED and k != "PYTEST_ADDOPTS"
+    }
+    env.update(extra or {})
+    return env
+
+
+def run(
+    argv: list[str],
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv,
+        env=clean_env(env),
+        cwd=cwd or tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _source_key(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    digest.update(os.path.realpath(sys.executable).encode())
+    digest.update(sys.prefix.encode())
+    for path in sorted(paths):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(ROOT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _check(result: subprocess.CompletedProcess[str], what: str) -> None:
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"{what} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+
+
+def _base_paths() -> list[str]:
+    """The running interpreter's package directories (where torch and wrapt are)."""
+    paths = sysconfig.get_paths()
+    dirs = [paths["purelib"], paths["platlib"]]
+    return list(dict.fromkeys(os.path.realpath(d) for d in dirs))
+
+
+def _new_venv(dest: Path) -> Venv:
+    result = run([sys.executable, "-m", "venv", "--without-pip", str(dest)])
+    _check(result, "python -m venv")
+    venv = Venv(dest)
+    (venv.site_packages / BASE_PTH).write_text("\n".join(_base_paths()) + "\n")
+    return venv
+
+
+def _pip(venv: Venv, *args: str) -> None:
+    result = run([sys.executable, "-m", "pip", "--python", venv.python, *args], timeout=600)
+    _check(result, "pip " + " ".join(args))
+
+
+def _ensure(name: str, build: object, sources: list[Path]) -> Venv:
+    """The cached venv ``name`` for the current ``sources``, built by ``build(dest)`` if missing."""
+    key_dir = CACHE / f"{name}-{_source_key(sources)}"
+    dest = key_dir / name
+    with _locked():
+        if not (dest / ".complete").exists():
+            shutil.rmtree(dest, ignore_errors=True)
+            key_dir.mkdir(parents=True, exist_ok=True)
+            build(dest)  # type: ignore[operator]
+            (dest / ".complete").write_text("ok\n")
+        for old in CACHE.iterdir():  # sources changed since: drop stale environments
+            if (
+                old.is_dir()
+                and old.name.startswith(f"{name}-")
+                and old != key_dir
+                and time.time() - old.stat().st_mtime > 3600
+            ):
+                shutil.rmtree(old, ignore_errors=True)
+    return Venv(dest)
+
+
+def _build_wheel_venv(dest: Path) -> None:
+    wheels = dest.parent / "wheel"
+    shutil.rmtree(wheels, ignore_errors=True)
+    result = run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+        timeout=600,
+    )
+    _check(result, "pip wheel")
+    (wheel,) = wheels.glob("fakegrad_patch-*.whl")
+    venv = _new_venv(dest)
+    _pip(venv, "install", "--no-deps", "--no-index", "-q", str(wheel))
+
+
+def _build_editable_venv(dest: Path) -> None:
+    venv = _new_venv(dest)
+    _pip(venv, "install", "--no-deps", "-q", "-e", str(ROOT))
+
+
+def _build_bare_venv(dest: Path) -> None:
+    _new_venv(dest)
+
+
+def wheel_venv() -> Venv:
+    """A venv with ``pip install <wheel>`` of the current sources."""
+    return _ensure("wheel-venv", _build_wheel_venv, [ROOT / "pyproject.toml", *PACKAGE.rglob("*")])
+
+
+def editable_venv() -> Venv:
+    """A venv with ``pip install -e`` of this checkout."""
+    # Editable: only the pyproject and the force-included hook files are copied at install time.
+    return _ensure(
+        "editable-venv", _build_editable_venv, [ROOT / "pyproject.toml", *HOOKS.rglob("*")]
+    )
+
+
+def bare_venv() -> Venv:
+    """The same venv without fakegrad_patch (for comparisons)."""
+    return _ensure("bare-venv", _build_bare_venv, [])
+
+
+def startup_overhead(with_pkg: Venv, without: Venv, runs: int = 40) -> dict[str, float]:
+    """Median wall time of ``python -c pass`` in each venv, interleaved, in milliseconds."""
+    env = clean_env()
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    for _ in range(3):  # warm the page cache and .pyc files
+        for venv in (with_pkg, without):
+            subprocess.run([venv.python, "-c", "pass"], env=env, check=True)
+    for _ in range(runs):
+        for label, venv in (("with", with_pkg), ("without", without)):
+            start = time.perf_counter()
+            subprocess.run([venv.python, "-c", "pass"], env=env, check=True)
+            times[label].append((time.perf_counter() - start) * 1e3)
+    med_with = statistics.median(times["with"])
+    med_without = statistics.median(times["without"])
+    return {"with_ms": med_with, "without_ms": med_without, "overhead_ms": med_with - med_without}
+
+
+if __name__ == "__main__":
+    result = startup_overhead(
+        wheel_venv(), bare_venv(), runs=int(sys.argv[1]) if sys.argv[1:] else 40
+    )
+    print(
+        f"python -c pass, median of {sys.argv[1] if sys.argv[1:] else 40} interleaved runs: "
+        f"with fakegrad_patch installed (FAKEGRAD_PATCH unset) {result['with_ms']:.2f} ms, "
+        f"without {result['without_ms']:.2f} ms, overhead {result['overhead_ms'] * 1e3:.0f} us"
+    )
