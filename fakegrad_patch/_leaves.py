@@ -69,17 +69,20 @@ class Registry:
                 return  # its AccumulateGrad node is alive and already carries our hook
             if node is None:
                 node = self._grad_accumulator(leaf)
-            _armed[leaf] = node.register_prehook(self._make_prehook(weakref.ref(leaf)))
+            prehook = self._make_prehook(weakref.ref(leaf))
+            _armed[leaf] = node.register_prehook(prehook)
         if trace.enabled(trace.DEBUG):
-            trace.emit(
-                "leaf_armed",
-                trace.DEBUG,
-                leaf_id=id(leaf),
-                name=name_of(leaf),
-                shape=list(leaf.shape),
-                dtype=str(leaf.dtype).removeprefix("torch."),
-                device=str(leaf.device),
-            )
+            fields = {
+                "leaf_id": id(leaf),
+                "name": name_of(leaf),
+                "shape": list(leaf.shape),
+                "dtype": str(leaf.dtype).removeprefix("torch."),
+                "device": str(leaf.device),
+            }
+            trace.emit("leaf_armed", trace.DEBUG, **fields)
+            # The pre-hook dies with the AccumulateGrad node, i.e. when the fake graph is freed
+            # (or on uninstall): that is when the leaf is released.
+            weakref.finalize(prehook, _released, fields)
 
     def _walk(self, root: Any) -> None:
         seen: set[int] = set()
@@ -116,6 +119,11 @@ class Registry:
         """Leaves whose AccumulateGrad node is alive and hooked (for tests and doctor)."""
         with _lock:
             return sum(1 for h in _armed.values() if h.hooks_dict_ref() is not None)
+
+
+def _released(fields: dict[str, Any]) -> None:
+    if trace.enabled(trace.DEBUG):
+        trace.emit("leaf_released", trace.DEBUG, **fields)
 
 
 def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:
