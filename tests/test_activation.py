@@ -509,11 +509,11 @@ def test_sitecustomize_route_through_pythonpath(
 
 def test_start_up_overhead_when_unset(venv: Venv, bare: Venv) -> None:
     """docs/activation.md quotes this measurement (goal: under 1 ms). The bound asserted here is
-    loose because two shared cores make single-digit-ms timings noisy; the module-set test above
-    is the exact check that nothing is imported."""
+    loose (CPU time, not wall time: shared cores make wall timings noisy); the module-set test
+    above is the exact check that nothing is imported."""
     result = startup_overhead(venv, bare, runs=40)
     print(f"start-up overhead with FAKEGRAD_PATCH unset: {result}")
-    assert result["overhead_ms"] < 5.0, result
+    assert result["cpu_overhead_ms"] < 3.0, result
 
 
 def test_this_process_is_patched_by_import() -> None:
