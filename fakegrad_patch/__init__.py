@@ -26,6 +26,8 @@ __all__ = [
     "configure",
     "install",
     "is_installed",
+    "materialize",
+    "mirror_to_sources",
     "name_parameters",
     "patched",
     "settings",
@@ -76,6 +78,27 @@ def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:
     from ._leaves import name_parameters as _name_parameters
 
     return _name_parameters(module, prefix)
+
+
+def materialize(
+    tree: Any, like: Any = None, *, on_missing: OnMissing | None = None, copy: bool = False
+) -> Any:
+    """Real tensors from the FakeTensors in ``tree`` (nested tuples/lists/dicts), built from their
+    propagated values, on ``like``'s device (and dtype/layout when ``like`` matches ``tree``);
+    fakes without real values follow ``on_missing``. See docs/fake-leaves.md."""
+    from ._fakeleaves import materialize as _materialize
+
+    return _materialize(tree, like, on_missing=on_missing, copy=copy)
+
+
+def mirror_to_sources(mode: Any) -> contextlib.AbstractContextManager[None]:
+    """Opt-in, scoped: inside the block, gradients accumulated into fake leaves that ``mode``
+    converted from real leaves (``mode.from_tensor(param)`` while the block runs) are also
+    materialized onto the real source leaves. Off by default because torch.compile/export make
+    such fakes internally and must never write real ``.grad``s. See docs/fake-leaves.md."""
+    from ._fakeleaves import mirror_to_sources as _mirror_to_sources
+
+    return _mirror_to_sources(mode)
 
 
 def __getattr__(name: str) -> Any:

@@ -154,7 +154,7 @@ class _Applied:
     def __init__(self) -> None:
         import torch
 
-        from . import _accumulate, _leaves, _probes, _targets
+        from . import _accumulate, _fakeleaves, _leaves, _probes, _targets
 
         self._torch = torch
         self.resolved = _targets.resolve_all()
@@ -166,6 +166,7 @@ class _Applied:
         self._repaired = torch.utils.weak.WeakIdKeyDictionary()
         self._fake_cls = self.resolved.fake_tensor_cls
         self._active = True
+        self.fake_leaves = _fakeleaves.FakeLeaves(self)
 
         cls = self.resolved.converter_cls
         self._cls = cls
@@ -188,6 +189,8 @@ class _Applied:
                 self.registry.arm_tensor(t)
             if type(t) is not self._torch.Tensor:
                 self._repair_d2(fake, t)
+            # grad-copy fidelity (probe D4) and mirror_to_sources (issue 7)
+            self.fake_leaves.on_convert(args[0] if args else kwargs["fake_mode"], t, fake)
         except Exception as exc:  # never break the host's fake computation
             self.internal_error("convert", exc)
         return fake

@@ -47,6 +47,17 @@ D2 = Defect(
 )
 
 
+#: D4: converting a real leaf that has a ``.grad`` gives a fake leaf whose fake ``.grad`` carries
+#: wrong real values (or wrong real strides/device) under propagation. Not seen on 2.13.0 or 2.14.1
+#: (plain tensors and Parameters; contiguous, transposed, sliced and channels_last grads are copied
+#: exactly), so the repair in _fakeleaves never runs there; the probe keeps us honest on other
+#: builds.
+GRAD_COPY = Defect(
+    "D4_grad_copy_real_tensor",
+    "converted leaf's fake .grad carries wrong real values under propagation",
+)
+
+
 class Probes:
     def __init__(self, resolved: Resolved) -> None:
         self._r = resolved
@@ -70,11 +81,13 @@ class Probes:
 
     def detected(self) -> dict[str, bool]:
         """Every probe's answer (runs those not yet run)."""
-        return {d.key: self.has(d) for d in (D2,)}
+        return {d.key: self.has(d) for d in (D2, GRAD_COPY)}
 
     def _run(self, defect: Defect) -> bool:
         if defect is D2:
             found = self._probe_parameter_real_tensor()
+        elif defect is GRAD_COPY:
+            found = self._probe_grad_copy()
         else:  # pragma: no cover - one probe today
             raise KeyError(defect.key)
         if trace.enabled(trace.INFO):
@@ -96,3 +109,41 @@ class Probes:
             if real is None:
                 return False  # this build does not propagate through from_tensor: nothing to repair
             return not torch.equal(real, values)
+
+    def _probe_grad_copy(self) -> bool:
+        """Convert plain and Parameter leaves holding strided grads; compare the fake grad's real
+        values, strides and device with the source grad's."""
+        with (
+            self._r.disable_current_modes(),
+            torch.no_grad(),
+            self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
+            _bypass(),
+        ):
+            base = torch.linspace(-2.5, 4.0, 120)
+            cases = [
+                (base[:24].reshape(4, 6), base[24:48].reshape(6, 4).t()),  # transposed grad
+                (base[:24].reshape(4, 6), base[48:96].reshape(4, 12)[:, ::2]),  # sliced grad
+                (
+                    base[:120].reshape(2, 3, 4, 5),
+                    base.flip(0).reshape(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+                ),
+            ]
+            for data, grad in cases:
+                for make in (torch.nn.Parameter, lambda d: d.clone().requires_grad_()):
+                    source = make(data.clone())
+                    source.grad = grad
+                    fake = self._r.fake_mode_cls().from_tensor(source)
+                    real = getattr(fake, "real_tensor", None)
+                    if real is None:
+                        return False  # no propagation through from_tensor: nothing to repair
+                    fake_grad = fake.grad
+                    real_grad = getattr(fake_grad, "real_tensor", None)
+                    if (
+                        real_grad is None
+                        or real_grad.shape != grad.shape
+                        or real_grad.stride() != grad.stride()
+                        or real_grad.device != grad.device
+                        or not torch.equal(real_grad, grad)
+                    ):
+                        return True
+            return False
