@@ -30,6 +30,7 @@ KNOWN_EVENTS = frozenset(
         "defect_probed",
         "d2_repaired",
         "leaf_armed",
+        "leaf_released",
         "fake_grad_set",
         "fake_grad_accumulate",
         "fake_grad_drop",
@@ -37,6 +38,10 @@ KNOWN_EVENTS = frozenset(
         "fake_grad_keep",
         "internal_error",
         "trace_sink_failed",
+        # fake leaves (issue 7): grad-copy repair, opt-in mirroring, materialize()
+        "grad_copy_repaired",
+        "mirrored",
+        "materialized",
     }
 )
 ACTIONS = ("set", "accumulate", "drop", "error", "keep")
@@ -64,6 +69,7 @@ class Leaf:
     dtype: str | None = None
     device: str | None = None
     armed: int = 0
+    released: int = 0
     arrived: int = 0
     actions: Counter[str] = field(default_factory=Counter)
     zeros: int = 0
@@ -90,6 +96,7 @@ class Leaf:
             "dtype": self.dtype,
             "device": self.device,
             "armed": self.armed,
+            "released": self.released,
             "arrived": self.arrived,
             "actions": {a: self.actions.get(a, 0) for a in ACTIONS},
             "zeros": self.zeros,
@@ -112,6 +119,11 @@ class Process:
     skipped: list[str] = field(default_factory=list)
     defects: dict[str, Any] = field(default_factory=dict)
     d2_repairs: int = 0
+    grad_copy_repairs: int = 0
+    mirrored: int = 0
+    materialize_calls: int = 0
+    #: materialize() results without real values, by policy: (dropped, kept, missing) summed
+    materialize_missing: Counter[str] = field(default_factory=Counter)
     internal_errors: Counter[str] = field(default_factory=Counter)
     sink_failures: Counter[str] = field(default_factory=Counter)
 
@@ -124,6 +136,10 @@ class Process:
             "skipped": self.skipped,
             "defects": self.defects,
             "d2_repairs": self.d2_repairs,
+            "grad_copy_repairs": self.grad_copy_repairs,
+            "mirrored": self.mirrored,
+            "materialize_calls": self.materialize_calls,
+            "materialize_missing": dict(self.materialize_missing),
             "internal_errors": dict(self.internal_errors),
             "sink_failures": dict(self.sink_failures),
         }
@@ -198,6 +214,8 @@ class Summary:
         proc = self._process(pid)
         if event == "leaf_armed":
             self._leaf(record).armed += 1
+        elif event == "leaf_released":
+            self._leaf(record).released += 1
         elif event.startswith("fake_grad_"):
             leaf = self._leaf(record)
             leaf.arrived += 1
@@ -223,6 +241,15 @@ class Summary:
             proc.defects[str(record.get("defect"))] = record.get("present")
         elif event == "d2_repaired":
             proc.d2_repairs += 1
+        elif event == "grad_copy_repaired":
+            proc.grad_copy_repairs += 1
+        elif event == "mirrored":
+            proc.mirrored += 1
+        elif event == "materialized":
+            proc.materialize_calls += 1
+            missing = int(record.get("missing") or 0)
+            if missing:
+                proc.materialize_missing[str(record.get("policy"))] += missing
         elif event == "internal_error":
             proc.internal_errors[f"{record.get('where')}: {record.get('error')}"] += 1
         elif event == "trace_sink_failed":
@@ -256,6 +283,17 @@ class Summary:
                             "detail": words,
                         }
                     )
+        for pid, proc in self.processes.items():
+            out += [
+                {
+                    "kind": "materialize_missing",
+                    "pid": pid,
+                    "count": n,
+                    "detail": f"materialize() met FakeTensors without real values "
+                    f"(on_missing={policy!r})",
+                }
+                for policy, n in proc.materialize_missing.items()
+            ]
         for pid, proc in self.processes.items():
             out += [
                 {"kind": "trace_sink_failed", "pid": pid, "count": n, "detail": detail}
@@ -301,6 +339,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "shape": (list,),
     "defects": (dict,),
     "hooks_removed": (int,),
+    "missing": (int,),
 }
 
 
@@ -408,6 +447,17 @@ def render_text(summary: Summary, out: TextIO) -> None:
             f"  pid {proc.pid}: torch {proc.torch or '?'}; {', '.join(state) or 'no patch events'}"
             f"; defects: {defects or 'none probed'}; D2 repairs: {proc.d2_repairs}\n"
         )
+        extras = [
+            f"{label}: {n}"
+            for label, n in (
+                ("grad-copy repairs", proc.grad_copy_repairs),
+                ("mirrored", proc.mirrored),
+                ("materialize() calls", proc.materialize_calls),
+            )
+            if n
+        ]
+        if extras:
+            w(f"    {'; '.join(extras)}\n")
 
     if summary.broken or summary.unknown or summary.unreadable:
         w("\nTRACE INPUT ISSUES\n")

@@ -133,7 +133,9 @@ class _FileSink:
         self.path = path
         self.failed = False
         self._fd: int | None = None
-        self._lock = threading.Lock()
+        # Reentrant: a weakref finalizer (leaf_released) can emit from a GC run that starts
+        # inside write() on this same thread.
+        self._lock = threading.RLock()
 
     def write(self, line: str) -> None:
         data = (line + "\n").encode("utf-8")
@@ -216,7 +218,7 @@ def _after_fork_in_child() -> None:
     _pid = os.getpid()
     _lock = threading.RLock()
     if isinstance(_sink, _FileSink):
-        _sink._lock = threading.Lock()
+        _sink._lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):

@@ -50,6 +50,7 @@ SCHEMA: dict[str, tuple[str, set[str]]] = {
     "defect_probed": ("info", ENVELOPE | {"defect", "present"}),
     "d2_repaired": ("info", ENVELOPE | {"shape", "dtype", "device", "bytes"}),
     "leaf_armed": ("debug", ENVELOPE | LEAF_KEYS),
+    "leaf_released": ("debug", ENVELOPE | LEAF_KEYS),
     "fake_grad_set": ("info", GRAD_KEYS),
     "fake_grad_accumulate": ("info", GRAD_KEYS),
     "fake_grad_drop": ("warning", GRAD_KEYS),
@@ -160,6 +161,7 @@ def test_propagated_backward_events_set_then_accumulate() -> None:
     with trace.capture() as captured:
         _fake_backward(model, propagate=True)
         _fake_backward(model, propagate=True)
+        gc.collect()  # the fake graphs are gone: their AccumulateGrad nodes and our hooks too
     for event in captured:
         check_schema(event)
     grads = [e for e in captured if e["event"].startswith("fake_grad_")]
@@ -173,6 +175,8 @@ def test_propagated_backward_events_set_then_accumulate() -> None:
     assert backward_ids[0] == backward_ids[1] != backward_ids[2] == backward_ids[3]
     armed = [e for e in captured if e["event"] == "leaf_armed"]
     assert {e["name"] for e in armed} == {"lin.weight", "lin.bias"}
+    released = [e for e in captured if e["event"] == "leaf_released"]
+    assert sorted(e["leaf_id"] for e in released) == sorted(e["leaf_id"] for e in armed)
     applied = _patch.current()
     assert applied is not None
     d2 = applied.probes.detected()["D2_parameter_real_tensor"]

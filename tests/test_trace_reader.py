@@ -209,3 +209,25 @@ def test_unreadable_file_exits_2_after_reporting_the_rest(
     assert code == 2
     assert "LEAVES (2" in captured.out
     assert "cannot read" in captured.err and "nope.jsonl" in captured.err
+
+
+def test_fake_leaf_events_are_known_and_missing_values_are_problems(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    envelope = {"level": "info", "timestamp": "2026-01-01T00:00:00Z", "schema": 1, "pid": 9}
+    lines = [
+        {"event": "mirrored", "leaf_id": 1, "fake_id": 2, "source": "propagated", **envelope},
+        {"event": "grad_copy_repaired", "leaf_id": 1, "bytes": 16, **envelope},
+        {"event": "materialized", "fakes": 3, "missing": 0, "policy": "drop", **envelope},
+        {"event": "materialized", "fakes": 3, "missing": 2, "policy": "drop", **envelope},
+    ]
+    path = tmp_path / "fake_leaves.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, out = _main(capsys, str(path), "--json", "--strict")
+    assert code == 0
+    summary = json.loads(out)
+    assert summary["unknown_lines"] == 0
+    (proc,) = summary["patch"]
+    assert proc["mirrored"] == 1 and proc["grad_copy_repairs"] == 1
+    assert proc["materialize_calls"] == 2
+    assert [(p["kind"], p["count"]) for p in summary["problems"]] == [("materialize_missing", 2)]
