@@ -60,12 +60,35 @@ def slots(variants: tuple[str, ...], blocks: int) -> list[Slot]:
 
 def use_patch(on: bool) -> None:
     """Install or uninstall the patch (both idempotent) and check that it took effect, so a
-    benchmark can never silently time the wrong variant."""
+    benchmark can never silently time the wrong variant.
+
+    A fresh installation probes torch for known defects on first use; that one-off cost of
+    ``install()`` is paid here, outside the timed rounds.
+    """
     if on:
         fakegrad_patch.install()
+        applied = fakegrad_patch._patch.current()
+        probes = getattr(applied, "probes", None)
+        if probes is not None and hasattr(probes, "detected"):
+            probes.detected()
     else:
         fakegrad_patch.uninstall()
     assert fakegrad_patch.is_installed() is on, fakegrad_patch.status()
+
+
+_cache: dict[tuple[Any, ...], Any] = {}
+
+
+def cached(key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    """One object per ``key`` for the whole module: both variants of a case use the same
+    model and tensors (same memory, warm caches), built once."""
+    if key not in _cache:
+        _cache[key] = build()
+    return _cache[key]
+
+
+def clear_cache() -> None:
+    _cache.clear()
 
 
 # -- devices and fake modes ---------------------------------------------------------------------
@@ -179,14 +202,18 @@ def record(
     rounds: int,
     iterations: int = 1,
     setup: Callable[[], Any] | None = None,
-    warmup_rounds: int = 1,
+    warmup_rounds: int | None = None,
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Time ``target`` for one slot with pytest-benchmark and label it for ``ratios.py``.
 
     ``rounds`` is scaled by ``--bench-scale`` (at least 1). ``goal`` is the ratio the issue
-    asks for (variant/baseline), a text goal, or None when there is none.
+    asks for (variant/baseline), a text goal, or None when there is none. Warm-up: one round in
+    block 0 (first touch: lazy imports, torch's dispatch caches), none after, since the model
+    and tensors are shared by every slot of the case (:func:`cached`).
     """
+    if warmup_rounds is None:
+        warmup_rounds = 1 if slot.block == 0 else 0
     benchmark.group = f"{case} {device} {detail}"
     benchmark.extra_info.update(
         {

@@ -32,7 +32,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--bench-blocks",
         type=int,
-        default=4,
+        default=8,
         help="paired blocks per case (variants alternate, order reversed every other block; "
         "keep it even so that each variant runs first equally often)",
     )
@@ -102,6 +102,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 0 if slot is None else slot.order
 
     items.sort(key=lambda item: (first_seen[case_key(item)], slot_order(item)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_cache() -> Any:
+    """Models and tensors shared by a module's slots are freed when the module is done."""
+    yield
+    _support.clear_cache()
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,10 @@ Usage::
 
 For every case and device, the rounds of each variant are pooled over the run's blocks (both
 sides come from the same process, interleaved; see benchmarks/_support.py) and the medians are
-divided: ratio = median(variant) / median(baseline). ``blocks`` gives the lowest and highest ratio
-of the per-block medians, a measure of the noise. Standard library only.
+divided: ratio = median(variant) / median(baseline). ``paired`` is the median and interquartile
+range of the per-block ratios (each block's variant median over the same block's baseline median,
+measured back to back): where it disagrees with ``ratio`` or is wide, the run was noisy.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -87,6 +89,18 @@ def _met(case: str, goal: Any, ratio: float, benches: list[dict[str, Any]], vari
     return "?"
 
 
+def _paired(ratios: list[float]) -> str:
+    """``median [q1-q3]`` of the per-block ratios (``median [min-max]`` under 4 blocks)."""
+    if not ratios:
+        return "-"
+    mid = statistics.median(ratios)
+    if len(ratios) >= 4:
+        low, _, high = statistics.quantiles(ratios, n=4)
+    else:
+        low, high = min(ratios), max(ratios)
+    return f"{mid:.3f} [{low:.2f}-{high:.2f}]"
+
+
 def rows(doc: dict[str, Any]) -> list[list[str]]:
     out: list[list[str]] = []
     groups = group_runs(doc)
@@ -120,7 +134,7 @@ def rows(doc: dict[str, Any]) -> list[list[str]]:
                 for (v, blk) in per_block
                 if v == variant and (baseline, blk) in per_block
             ]
-            spread = f"{min(block_ratios):.3f}-{max(block_ratios):.3f}" if block_ratios else "-"
+            spread = _paired(block_ratios)
             goal = first.get("goal")
             out.append(
                 [
@@ -150,7 +164,7 @@ HEADER = [
     "baseline median",
     "variant median",
     "ratio",
-    "blocks",
+    "paired [IQR]",
     "goal",
     "met?",
     "note",

@@ -16,17 +16,20 @@ from benchmarks import _support
 BATCH = 8
 
 
-def _mlp_and_input(device: str) -> tuple[torch.nn.Module, torch.Tensor]:
-    model = _support.deep_mlp(device)
-    assert sum(1 for _ in model.parameters()) >= 50
-    x = torch.randn(BATCH, 32, generator=torch.Generator().manual_seed(2)).to(device)
-    return model, x
+def _mlp_and_input(case: str, device: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    def build() -> tuple[torch.nn.Module, torch.Tensor]:
+        model = _support.deep_mlp(device)
+        assert sum(1 for _ in model.parameters()) >= 50
+        x = torch.randn(BATCH, 32, generator=torch.Generator().manual_seed(2)).to(device)
+        return model, x
+
+    return _support.cached((case, device), build)
 
 
 @pytest.mark.paired("unpatched", "patched")
 @pytest.mark.parametrize("propagate", [False, True], ids=["plain", "propagate"])
 def test_p2_fake_forward(benchmark, device: str, propagate: bool, slot: _support.Slot) -> None:
-    model, x = _mlp_and_input(device)
+    model, x = _mlp_and_input("P2", device)
     _support.use_patch(slot.variant == "patched")
 
     def forward() -> None:
@@ -41,13 +44,13 @@ def test_p2_fake_forward(benchmark, device: str, propagate: bool, slot: _support
         detail=f"fake forward mlp50 {'propagate' if propagate else 'plain'}",
         goal=1.05,
         target=forward,
-        rounds=3,
+        rounds=1,
     )
 
 
 @pytest.mark.paired("unpatched", "patched")
 def test_p3_fake_backward_propagated(benchmark, device: str, slot: _support.Slot) -> None:
-    model, x = _mlp_and_input(device)
+    model, x = _mlp_and_input("P3", device)
     _support.use_patch(slot.variant == "patched")
 
     def fake_step() -> None:
@@ -63,7 +66,7 @@ def test_p3_fake_backward_propagated(benchmark, device: str, slot: _support.Slot
         goal=1.10,
         target=fake_step,
         setup=lambda: model.zero_grad(set_to_none=True),
-        rounds=3,
+        rounds=1,
     )
     ok = _support.grads_are_real if slot.variant == "patched" else _support.grads_are_fake
     assert ok(model)
@@ -73,7 +76,7 @@ def test_p3_fake_backward_propagated(benchmark, device: str, slot: _support.Slot
 def test_p8_workaround_vs_one_pass(benchmark, device: str, slot: _support.Slot) -> None:
     """The seed's workaround: a plain fake pass for shapes, then a separate real pass for the
     gradients (unpatched). Patched: one propagated fake pass gives both."""
-    model, x = _mlp_and_input(device)
+    model, x = _mlp_and_input("P8", device)
     patched = slot.variant == "patched"
     _support.use_patch(patched)
 
@@ -96,6 +99,6 @@ def test_p8_workaround_vs_one_pass(benchmark, device: str, slot: _support.Slot) 
         goal=None,
         target=one_pass if patched else workaround,
         setup=lambda: model.zero_grad(set_to_none=True),
-        rounds=3,
+        rounds=1,
     )
     assert _support.grads_are_real(model)

@@ -44,11 +44,15 @@ def _set_events(run: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.paired("unpatched", "patched")
 def test_p4_set_path_zero_copy(benchmark, device: str, slot: _support.Slot) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048)
-    ).to(device)
-    x = torch.randn(32, 2048, device=device)
+
+    def build() -> tuple[torch.nn.Module, torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048)
+        ).to(device)
+        return model, torch.randn(32, 2048, device=device)
+
+    model, x = _support.cached(("P4", device), build)
     patched = slot.variant == "patched"
     _support.use_patch(patched)
 
@@ -80,7 +84,7 @@ def test_p4_set_path_zero_copy(benchmark, device: str, slot: _support.Slot) -> N
         goal="0 bytes copied",
         target=fake_step,
         setup=lambda: model.zero_grad(set_to_none=True),
-        rounds=3,
+        rounds=1,
         extra=extra,
     )
     ok = _support.grads_are_real if patched else _support.grads_are_fake
@@ -93,12 +97,16 @@ def test_p5_accumulate_vs_add(benchmark, device: str, slot: _support.Slot) -> No
     if applied is None or not hasattr(applied, "materializer"):
         pytest.skip("fakegrad_patch._patch.current().materializer is not available")
     materializer = applied.materializer
-    gen = torch.Generator().manual_seed(3)
-    leaf = torch.nn.Parameter(torch.zeros(P5_NUMEL, device=device))
-    leaf.grad = torch.randn(P5_NUMEL, generator=gen).to(device)
+
+    def build() -> tuple[torch.Tensor, Any]:
+        gen = torch.Generator().manual_seed(3)
+        leaf = torch.nn.Parameter(torch.zeros(P5_NUMEL, device=device))
+        leaf.grad = torch.randn(P5_NUMEL, generator=gen).to(device)
+        mode = _support.fake_mode(propagate=True)
+        return leaf, mode.from_tensor(torch.randn(P5_NUMEL, generator=gen).to(device))
+
+    leaf, fake_grad = _support.cached(("P5", device), build)
     prior = leaf.grad
-    mode = _support.fake_mode(propagate=True)
-    fake_grad = mode.from_tensor(torch.randn(P5_NUMEL, generator=gen).to(device))
     real = fake_grad.real_tensor
     assert real is not None and real.shape == prior.shape
 
@@ -120,7 +128,7 @@ def test_p5_accumulate_vs_add(benchmark, device: str, slot: _support.Slot) -> No
         detail="accumulate 64 MiB fp32",
         goal=1.10,
         target=materialize if slot.variant == "materializer" else plain_add,
-        rounds=8,
+        rounds=4,
         extra={"bytes": P5_NUMEL * 4},
     )
     # The accumulate path keeps the same tensor object in .grad (in place, like AccumulateGrad).

@@ -108,6 +108,6 @@ def test_p6_interpreter_startup(benchmark, venvs: dict[str, Path], slot: _suppor
         detail="python -c pass, FAKEGRAD_PATCH unset",
         goal=None,
         target=start,
-        rounds=20,
+        rounds=10,
         extra=extra,
     )

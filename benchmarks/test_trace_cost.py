@@ -43,10 +43,15 @@ def test_p7_trace_cost(benchmark, device: str, slot: _support.Slot, tmp_path: Pa
     if applied is None or not hasattr(applied, "materializer"):
         pytest.skip("fakegrad_patch._patch.current().materializer is not available")
     materializer = applied.materializer
-    leaf = torch.nn.Parameter(torch.zeros(NUMEL, device=device))
-    leaf.grad = torch.zeros(NUMEL, device=device)
-    mode = _support.fake_mode(propagate=True)
-    fake_grad = mode.from_tensor(torch.ones(NUMEL, device=device))
+
+    def build() -> tuple[torch.Tensor, Any]:
+        leaf = torch.nn.Parameter(torch.zeros(NUMEL, device=device))
+        leaf.grad = torch.zeros(NUMEL, device=device)
+        return leaf, _support.fake_mode(propagate=True).from_tensor(
+            torch.ones(NUMEL, device=device)
+        )
+
+    leaf, fake_grad = _support.cached(("P7", device), build)
 
     def intercept() -> None:
         with torch.no_grad():
@@ -63,7 +68,7 @@ def test_p7_trace_cost(benchmark, device: str, slot: _support.Slot, tmp_path: Pa
             detail=f"trace cost, {CALLS} interceptions/round",
             goal=None,
             target=intercept,
-            rounds=10,
+            rounds=5,
             extra={"interceptions_per_round": CALLS},
         )
         recorded = [e for e in trace.events() if e.get("event") == "fake_grad_accumulate"]

@@ -8,12 +8,18 @@ parameters (propagation on, forward + backward, graph dropped), in the slot's va
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fakegrad_patch
 from benchmarks import _support
+
+
+def _build(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, ...]:
+    return model, x, y, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
 @pytest.mark.paired("unpatched", "patched")
@@ -23,12 +29,14 @@ def test_p1_real_train_step(
     benchmark, device: str, model_name: str, history: str, slot: _support.Slot
 ) -> None:
     build, shape = _support.TRAIN_MODELS[model_name]
-    model = build(device)
-    x, y = _support.batch(shape, device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, x, y, opt = _support.cached(
+        ("P1", model_name, history, device),
+        lambda: _build(build(device), *_support.batch(shape, device)),
+    )
     _support.use_patch(slot.variant == "patched")
 
     if history == "after_fake":
+        opt.zero_grad(set_to_none=True)  # else unpatched torch would keep the real grads
         with _support.fake_mode(propagate=True):
             F.cross_entropy(model(x), y).backward()
         # The graph is gone; the patched run left real grads, the unpatched one fake grads.
@@ -50,7 +58,7 @@ def test_p1_real_train_step(
         detail=f"train step {model_name} {history}",
         goal=1.01,
         target=step,
-        rounds=10,
+        rounds=4,
         iterations=5,
         extra=extra,
     )
