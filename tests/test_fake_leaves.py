@@ -246,7 +246,7 @@ def test_mirroring_is_scoped_to_its_mode_its_block_and_accumulation() -> None:
         late.backward()  # lands after the block: not mirrored
     assert all(p.grad is None for p in model.parameters())
     assert all(isinstance(f.grad, FakeTensor) for f in fakes.values())
-    assert not _fakeleaves._mirrors  # nothing left registered
+    assert not _fakeleaves._mirrors and _fakeleaves._Active.count == 0  # nothing left registered
 
 
 @pytest.mark.usefixtures("propagate")
