@@ -215,6 +215,27 @@ def test_repeated_backward_without_prior_grad_counts_each_gradient_once() -> Non
 
 
 @pytest.mark.usefixtures("propagate")
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_mirroring_with_retain_graph_and_create_graph() -> None:
+    model = _mlp(torch.device("cpu"))
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 4)
+    mode = fake_mode()
+    with fakegrad_patch.mirror_to_sources(mode):
+        fakes = {n: mode.from_tensor(p) for n, p in model.named_parameters()}
+        with mode:
+            loss = functional_call(model, fakes, (x,)).square().sum()
+            loss.backward(create_graph=True, retain_graph=True)
+            loss.backward(retain_graph=True)
+    ref_loss = ref(x).square().sum()
+    ref_loss.backward(create_graph=True, retain_graph=True)
+    ref_loss.backward()
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        assert is_real(p.grad)
+        torch.testing.assert_close(p.grad, r.grad.detach())
+
+
+@pytest.mark.usefixtures("propagate")
 def test_mirroring_follows_the_layout_contract() -> None:
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
