@@ -90,6 +90,7 @@ def test_plugin_is_inert_and_torch_free_without_options(pytester: pytest.Pyteste
             assert pytestconfig.pluginmanager.has_plugin("fakegrad")
             assert "torch" not in sys.modules
             assert "structlog" not in sys.modules
+            assert "fakegrad_patch" not in sys.modules  # importing it would install the patch
         """
     )
     result = pytester.runpytest_subprocess()

@@ -11,8 +11,9 @@
   torch at all, the session fails.
 
 Without those options, and unless a test asks for the fixture, the plugin does nothing: this
-module imports neither torch nor structlog, and the hooks below return at once. Disable it
-entirely with ``-p no:fakegrad``.
+module imports neither fakegrad_patch (whose import installs the patch) nor torch nor structlog,
+and the hooks below return at once. It ships as the top-level module ``fakegrad_patch_pytest``
+(pyproject force-include) for that reason. Disable it entirely with ``-p no:fakegrad``.
 """
 
 from __future__ import annotations
