@@ -26,10 +26,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import trace
 
 _lock = threading.RLock()
-#: leaf -> RemovableHandle of our pre-hook on its (live) AccumulateGrad node
-_armed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: real non-leaf -> None: its graph was already walked (a non-leaf's graph never changes)
-_walked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: id(leaf) -> RemovableHandle of our pre-hook on the leaf's AccumulateGrad node. Plain ids (this
+#: is the hot path of every conversion): an entry is valid while the handle's hook dict is alive,
+#: i.e. while the node is alive; the node holds its leaf strongly, so a live handle can never
+#: belong to a dead leaf whose id was reused. Dead entries are pruned as the dict grows.
+_armed: dict[int, Any] = {}
+#: id(real non-leaf) -> weak reference to it: its graph was walked (a non-leaf's graph never
+#: changes). The reference is compared on lookup, so a reused id is not mistaken for it.
+_walked: dict[int, weakref.ref[torch.Tensor]] = {}
+_PRUNE_AT = 4096
 #: leaf -> name given by name_parameters()
 _names: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -56,21 +61,26 @@ class Registry:
         if grad_fn is None:
             self.arm_leaf(t)
             return
+        key = id(t)
         with _lock:
-            if t in _walked:
+            seen = _walked.get(key)
+            if seen is not None and seen() is t:
                 return
-            _walked[t] = None
+            _walked[key] = weakref.ref(t, lambda _, key=key: _walked.pop(key, None))
         self._walk(grad_fn)
 
     def arm_leaf(self, leaf: torch.Tensor, node: Any = None) -> None:
+        key = id(leaf)
         with _lock:
-            handle = _armed.get(leaf)
+            handle = _armed.get(key)
             if handle is not None and handle.hooks_dict_ref() is not None:
                 return  # its AccumulateGrad node is alive and already carries our hook
             if node is None:
                 node = self._grad_accumulator(leaf)
             prehook = self._make_prehook(weakref.ref(leaf))
-            _armed[leaf] = node.register_prehook(prehook)
+            _armed[key] = node.register_prehook(prehook)
+            if len(_armed) >= _PRUNE_AT and len(_armed) % _PRUNE_AT == 0:
+                _prune()
         if trace.enabled(trace.DEBUG):
             fields = {
                 "leaf_id": id(leaf),
@@ -119,6 +129,12 @@ class Registry:
         """Leaves whose AccumulateGrad node is alive and hooked (for tests and doctor)."""
         with _lock:
             return sum(1 for h in _armed.values() if h.hooks_dict_ref() is not None)
+
+
+def _prune() -> None:
+    """Drop entries whose node is gone (caller holds the lock)."""
+    for key in [k for k, h in _armed.items() if h.hooks_dict_ref() is None]:
+        del _armed[key]
 
 
 def _released(fields: dict[str, Any]) -> None:
