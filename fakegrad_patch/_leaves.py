@@ -15,6 +15,7 @@ alive: the hook holds a weak reference to the leaf, the registry is keyed weakly
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -66,7 +67,7 @@ class Registry:
             seen = _walked.get(key)
             if seen is not None and seen() is t:
                 return
-            _walked[key] = weakref.ref(t, lambda _, key=key: _walked.pop(key, None))
+            _walked[key] = weakref.ref(t, functools.partial(_forget_walked, key))
         self._walk(grad_fn)
 
     def arm_leaf(self, leaf: torch.Tensor, node: Any = None) -> None:
@@ -129,6 +130,10 @@ class Registry:
         """Leaves whose AccumulateGrad node is alive and hooked (for tests and doctor)."""
         with _lock:
             return sum(1 for h in _armed.values() if h.hooks_dict_ref() is not None)
+
+
+def _forget_walked(key: int, _ref: object) -> None:
+    _walked.pop(key, None)
 
 
 def _prune() -> None:
