@@ -6,6 +6,9 @@ AccumulateGrad runs with the fake mode still active) and hand AccumulateGrad an 
 so it does nothing more. AccumulateGrad still runs the leaf's post-accumulate hooks afterwards, so
 they observe the real ``.grad``.
 
+Real work runs under ``no_dispatch`` (every Python dispatch key excluded), so neither the fake
+mode nor any other mode stacked with it (FlopCounterMode) sees it.
+
 The rule, from ``torch/csrc/autograd/functions/accumulate_grad.h`` (``accumulateGrad``):
 
 * no prior grad: take the new buffer over when nothing else references it and it obeys the layout
@@ -17,6 +20,7 @@ The rule, from ``torch/csrc/autograd/functions/accumulate_grad.h`` (``accumulate
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
@@ -34,6 +38,9 @@ from ._targets import Resolved
 #: adopted it, the leaf's ``.grad`` holds a second one, so a buffer shared by two leaves (``a + b``
 #: sends one gradient to both) is copied for the second. Measured on both checked builds.
 _SOLE_OWNER_USE_COUNT = 1
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
@@ -58,6 +65,8 @@ def obeys_layout_contract(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
     """AccumulateGrad's ``obeys_layout_contract`` (strided tensors)."""
     if grad.layout != torch.strided or leaf.layout != torch.strided:
         return False
+    if leaf.is_contiguous() and grad.is_contiguous() and 0 not in grad.stride():
+        return True  # the common case, decided by two C calls (both dense, same strides)
     if is_non_overlapping_and_dense(leaf):
         leaf_strides = leaf.stride()
         for size, stride, leaf_stride in zip(grad.shape, grad.stride(), leaf_strides, strict=True):
@@ -94,10 +103,15 @@ class Outcome:
 
 
 class Materializer:
-    """Applies the rule. One instance per installation, holding the resolved touch points."""
+    """Applies the rule. One instance per installation, holding the resolved touch points.
 
-    def __init__(self, resolved: Resolved) -> None:
+    ``adopt=False`` turns the zero-copy set path off (every new ``.grad`` is a copy), for callers
+    whose propagated buffers stay referenced elsewhere (mirroring onto real sources).
+    """
+
+    def __init__(self, resolved: Resolved, *, adopt: bool = True) -> None:
         self._r = resolved
+        self._adopt = adopt
         self._warned_drop = False
         self._warn_lock = threading.Lock()
 
@@ -119,7 +133,7 @@ class Materializer:
             if policy == "keep":
                 outcome = Outcome("keep", "none")
             elif policy == "zeros":
-                with self._r.disable_current_modes(), torch.no_grad():
+                with self._r.no_dispatch(), torch.no_grad():
                     zeros = empty_like_contract(leaf, grad.dtype).zero_()
                 outcome = self._write(leaf, zeros, grad.dtype, "zeros", fresh=True)
             elif policy == "error":
@@ -148,8 +162,10 @@ class Materializer:
         *,
         fresh: bool = False,
     ) -> Outcome:
+        # Grad mode is on inside backward only with create_graph=True; then our own ops must not
+        # be recorded (AccumulateGrad records ``prior + new`` only, which we do below).
         create_graph = torch.is_grad_enabled()
-        with self._r.disable_current_modes(), torch.no_grad():
+        with self._r.no_dispatch(), torch.no_grad() if create_graph else _NO_CONTEXT:
             prior = leaf.grad
             if prior is not None and isinstance(prior, self._r.fake_tensor_cls):
                 # Left by policy "keep" or by an unpatched run: its real values (if any) count.
@@ -159,7 +175,7 @@ class Materializer:
                     leaf.grad = self._copy_obeying_contract(prior_real, leaf, grad_dtype)
                     prior = leaf.grad
             if prior is None:
-                if fresh or self._can_adopt(value, leaf, grad_dtype):
+                if fresh or (self._adopt and self._can_adopt(value, leaf, grad_dtype)):
                     leaf.grad = value
                     return Outcome("set", source, zero_copy=True)
                 leaf.grad = self._copy_obeying_contract(value, leaf, grad_dtype)

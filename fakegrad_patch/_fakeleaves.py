@@ -73,19 +73,6 @@ def repair_grad_copy(fake: Any, source: torch.Tensor, disable_current_modes: Any
 # --- mirroring ------------------------------------------------------------------------------------
 
 
-class _NoAdoptMaterializer(Materializer):
-    """The core rule, minus the zero-copy set path.
-
-    The fake leaf keeps its fake grad, and that fake grad's ``real_tensor`` is the propagated
-    buffer: adopting the buffer as the source's ``.grad`` would make the two alias, and the next
-    fake accumulation (an in-place add that propagation also runs on ``real_tensor``) would add
-    into the real ``.grad`` a second time. So the source always gets its own copy.
-    """
-
-    def _can_adopt(self, value: torch.Tensor, leaf: torch.Tensor, dtype: torch.dtype) -> bool:
-        return False
-
-
 class _Mirror:
     """One active ``mirror_to_sources(mode)`` (nesting counted). Holds the armed AccumulateGrad
     nodes of the mode's fake leaves, which is what keeps their pre-hooks alive until a graph
@@ -131,7 +118,11 @@ class FakeLeaves:
         self._grad_copy = _probes.GRAD_COPY
         self._grad_copy_broken: bool | None = None  # probed on the first conversion that matters
         self._checked: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.materializer = _NoAdoptMaterializer(applied.resolved)
+        # No zero-copy set path: the fake leaf keeps its fake grad, whose ``real_tensor`` is the
+        # propagated buffer; adopting it as the source's ``.grad`` would make the two alias, and
+        # the next fake accumulation (an in-place add that propagation also runs on
+        # ``real_tensor``) would add into the real ``.grad`` a second time.
+        self.materializer = Materializer(applied.resolved, adopt=False)
         self._fake_cls = applied.resolved.fake_tensor_cls
 
     def on_convert(self, mode: Any, source: torch.Tensor, fake: Any) -> None:

@@ -62,11 +62,12 @@ FAKE_TENSOR = Target(
     "isinstance checks on gradients; FakeTensor.real_tensor holds propagated values",
 )
 
-#: READ. The mode class; the D2 probe builds one with propagation on.
+#: READ. The mode class: the D2 and D4 probes build one with propagation on;
+#: ``mirror_to_sources`` checks its argument's type.
 FAKE_TENSOR_MODE = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorMode",
-    "the D2 probe builds a propagating mode to test Parameter conversion",
+    "the probes build a propagating mode; mirror_to_sources type check",
 )
 
 #: CALLED. Pops every active TorchDispatchMode (FakeTensorMode, FlopCounterMode, ...) for the
@@ -85,6 +86,17 @@ PROPAGATE_CONFIG = Target(
     "torch._functorch.config",
     "fake_tensor_propagate_real_tensors",
     "D2 probe: build a mode that propagates real tensors",
+)
+
+#: CALLED. C++ guard excluding the Python dispatch keys for a block: no TorchDispatchMode
+#: (FakeTensorMode, FlopCounterMode, ...) and no tensor subclass sees the ops inside. FakeTensorMode
+#: uses the same guard (``torch.utils._mode_utils.no_dispatch``) to run real kernels while it
+#: propagates. We write real gradients under it in the AccumulateGrad pre-hook: about 1 us where
+#: popping and re-pushing the mode stack (DISABLE_CURRENT_MODES) costs about 15 us per leaf.
+NO_DISPATCH = Target(
+    "torch._C",
+    "_DisableTorchDispatch",
+    "write real gradients (hot path) with every dispatch mode bypassed",
 )
 
 #: CALLED. Sets the thread-local dispatch key sets for a block. We arm a leaf from inside the fake
@@ -132,6 +144,7 @@ ALL_TARGETS: tuple[Target, ...] = (
     FAKE_TENSOR,
     FAKE_TENSOR_MODE,
     DISABLE_CURRENT_MODES,
+    NO_DISPATCH,
     PROPAGATE_CONFIG,
     FORCE_DISPATCH_KEY_GUARD,
     TLS_INCLUDE_SET,
@@ -195,6 +208,7 @@ class Resolved:
     fake_tensor_cls: type
     fake_mode_cls: type
     disable_current_modes: Callable[[], Any]
+    no_dispatch: Callable[[], Any]
     functorch_config: Any
     graph_task_id: Callable[[], int] | None
     grad_accumulator: Callable[[Any], Any]
@@ -214,6 +228,7 @@ def resolve_all() -> Resolved:
         fake_tensor_cls=resolve(FAKE_TENSOR),
         fake_mode_cls=resolve(FAKE_TENSOR_MODE),
         disable_current_modes=disable_current_modes,
+        no_dispatch=resolve(NO_DISPATCH),
         functorch_config=importlib.import_module(PROPAGATE_CONFIG.module),
         graph_task_id=_resolve_optional(GRAPH_TASK_ID),
         grad_accumulator=_make_grad_accumulator_getter(),

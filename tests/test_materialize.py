@@ -294,3 +294,21 @@ def test_threads_each_with_their_own_mode() -> None:
     assert not errors, errors
     for model, ref in results.values():
         assert_real_grads_equal(model, ref, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_gives_real_values_without_a_graph() -> None:
+    """Documented limit: with create_graph=True the materialized gradient has eager values and
+    accumulates out of place (as AccumulateGrad does in grad mode), but carries no graph."""
+    w = torch.randn(3, 3, requires_grad=True)
+    w.grad = torch.ones(3, 3)
+    prior = w.grad
+    ref = w.detach().clone().requires_grad_()
+    ref.grad = torch.ones(3, 3)
+    x = torch.randn(2, 3)
+    with fake_mode():
+        (x @ w).pow(2).sum().backward(create_graph=True)
+    (x @ ref).pow(2).sum().backward(create_graph=True)
+    assert is_real(w.grad) and w.grad is not prior
+    assert not w.grad.requires_grad
+    torch.testing.assert_close(w.grad, ref.grad.detach())
