@@ -206,9 +206,13 @@ class _Applied:
             with self.resolved.disable_current_modes(), torch.no_grad():
                 real.copy_(source.detach())
             if trace.enabled(trace.INFO):
+                from ._leaves import name_of
+
                 trace.emit(
                     "d2_repaired",
                     trace.INFO,
+                    leaf_id=id(source),
+                    name=name_of(source),
                     shape=list(source.shape),
                     dtype=str(source.dtype).removeprefix("torch."),
                     device=str(source.device),

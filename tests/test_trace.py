@@ -48,7 +48,7 @@ SCHEMA: dict[str, tuple[str, set[str]]] = {
     "patch_skipped": ("warning", ENVELOPE | {"torch", "reason"}),
     "patch_uninstalled": ("info", ENVELOPE | {"hooks_removed"}),
     "defect_probed": ("info", ENVELOPE | {"defect", "present"}),
-    "d2_repaired": ("info", ENVELOPE | {"shape", "dtype", "device", "bytes"}),
+    "d2_repaired": ("info", ENVELOPE | {"leaf_id", "name", "shape", "dtype", "device", "bytes"}),
     "leaf_armed": ("debug", ENVELOPE | LEAF_KEYS),
     "leaf_released": ("debug", ENVELOPE | LEAF_KEYS),
     "fake_grad_set": ("info", GRAD_KEYS),
