@@ -72,6 +72,9 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith("FAKEGRAD_") and k not in SCRUBBED and k != "PYTEST_ADDOPTS"
     }
+    # torch warns on stderr at import when numpy is absent (tox envs have no numpy); the tests
+    # assert that *our* start-up path prints nothing, so that one upstream message is silenced.
+    env["PYTHONWARNINGS"] = "ignore:Failed to initialize NumPy:UserWarning"
     env.update(extra or {})
     return env
 
@@ -95,6 +98,7 @@ def run(
 
 def _source_key(paths: list[Path]) -> str:
     digest = hashlib.sha256()
+    digest.update(Path(__file__).read_bytes())  # how the venvs are built is part of the key
     digest.update(os.path.realpath(sys.executable).encode())
     digest.update(sys.prefix.encode())
     for path in sorted(paths):
@@ -173,12 +177,14 @@ def _build_wheel_venv(dest: Path) -> None:
     _check(result, "pip wheel")
     (wheel,) = wheels.glob("fakegrad_patch-*.whl")
     venv = _new_venv(dest)
-    _pip(venv, "install", "--no-deps", "--no-index", "-q", str(wheel))
+    # --ignore-installed: the base path file makes the running environment's own fakegrad_patch
+    # (installed by tox, or editable) visible, and pip would call the wheel "already satisfied".
+    _pip(venv, "install", "--no-deps", "--no-index", "--ignore-installed", "-q", str(wheel))
 
 
 def _build_editable_venv(dest: Path) -> None:
     venv = _new_venv(dest)
-    _pip(venv, "install", "--no-deps", "-q", "-e", str(ROOT))
+    _pip(venv, "install", "--no-deps", "--ignore-installed", "-q", "-e", str(ROOT))
 
 
 def _build_bare_venv(dest: Path) -> None:
