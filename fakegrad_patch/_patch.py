@@ -203,7 +203,7 @@ class _Applied:
         if not isinstance(source, torch.nn.Parameter) or source.device.type == "meta":
             return
         if self.probes.has(self._d2):
-            with self.resolved.disable_current_modes(), torch.no_grad():
+            with self.resolved.no_dispatch(), torch.no_grad():
                 real.copy_(source.detach())
             if trace.enabled(trace.INFO):
                 from ._leaves import name_of
