@@ -19,6 +19,7 @@ import copy
 import os
 import sys
 import tempfile
+import warnings
 from typing import Any
 
 
@@ -68,6 +69,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trace", metavar="PATH", help="keep the patched run's JSONL trace here")
     args = parser.parse_args(argv)
 
+    # torch 2.14 without numpy prints a warning at import; it is noise for this demonstration.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
     import torch._functorch.config as functorch_config
     from torch._subclasses.fake_tensor import FakeTensor
