@@ -192,12 +192,8 @@ def _emit_mirrored(source: torch.Tensor, fake_id: int, grad: Any, backward_id: i
         "mirrored",
         trace.INFO,
         backward_id=backward_id,
-        leaf_id=id(source),
+        **_leaves.leaf_fields(source),
         fake_id=fake_id,
-        name=_leaves.name_of(source),
-        shape=list(source.shape),
-        dtype=str(source.dtype).removeprefix("torch."),
-        device=str(source.device),
         source="propagated" if getattr(grad, "real_tensor", None) is not None else "none",
     )
 

@@ -83,13 +83,7 @@ class Registry:
             if len(_armed) >= _PRUNE_AT and len(_armed) % _PRUNE_AT == 0:
                 _prune()
         if trace.enabled(trace.DEBUG):
-            fields = {
-                "leaf_id": id(leaf),
-                "name": name_of(leaf),
-                "shape": list(leaf.shape),
-                "dtype": str(leaf.dtype).removeprefix("torch."),
-                "device": str(leaf.device),
-            }
+            fields = leaf_fields(leaf)
             trace.emit("leaf_armed", trace.DEBUG, **fields)
             # The pre-hook dies with the AccumulateGrad node, i.e. when the fake graph is freed
             # (or on uninstall): that is when the leaf is released.
@@ -169,3 +163,14 @@ def name_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> None:
 
 def name_of(leaf: torch.Tensor) -> str | None:
     return _names.get(leaf)
+
+
+def leaf_fields(leaf: torch.Tensor) -> dict[str, Any]:
+    """How trace events describe a real leaf: id, registered name, shape, dtype, device."""
+    return {
+        "leaf_id": id(leaf),
+        "name": _names.get(leaf),
+        "shape": list(leaf.shape),
+        "dtype": str(leaf.dtype).removeprefix("torch."),
+        "device": str(leaf.device),
+    }

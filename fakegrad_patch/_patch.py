@@ -206,16 +206,12 @@ class _Applied:
             with self.resolved.no_dispatch(), torch.no_grad():
                 real.copy_(source.detach())
             if trace.enabled(trace.INFO):
-                from ._leaves import name_of
+                from ._leaves import leaf_fields
 
                 trace.emit(
                     "d2_repaired",
                     trace.INFO,
-                    leaf_id=id(source),
-                    name=name_of(source),
-                    shape=list(source.shape),
-                    dtype=str(source.dtype).removeprefix("torch."),
-                    device=str(source.device),
+                    **leaf_fields(source),
                     bytes=real.numel() * real.element_size(),
                 )
         self._repaired[fake] = None
