@@ -86,12 +86,6 @@ def empty_like_contract(leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(leaf.shape, dtype=dtype, device=leaf.device)
 
 
-def grad_dtype_of(leaf: torch.Tensor) -> torch.dtype:
-    """The dtype AccumulateGrad gives ``leaf.grad``: ``leaf.grad_dtype`` where the build has it."""
-    dtype = getattr(leaf, "grad_dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else leaf.dtype
-
-
 @dataclass(frozen=True)
 class Outcome:
     """What one interception did (also the payload of the trace event)."""

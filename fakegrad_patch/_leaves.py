@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,13 +152,6 @@ def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:
             _names[param] = name
             count += 1
     return count
-
-
-def name_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Name arbitrary leaves (``[(name, tensor), ...]``) for traces."""
-    with _lock:
-        for name, tensor in named:
-            _names[tensor] = name
 
 
 def name_of(leaf: torch.Tensor) -> str | None:
