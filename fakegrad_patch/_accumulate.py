@@ -21,24 +21,18 @@ The rule, from ``torch/csrc/autograd/functions/accumulate_grad.h`` (``accumulate
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
-import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import _config, trace
-from ._errors import FakeGradError, FakeGradPatchWarning
+from ._errors import FakeGradError
 from ._targets import Resolved
-
-#: ``Tensor._use_count()`` of a propagated buffer referenced only through its Python object (the
-#: FakeTensor's ``real_tensor`` attribute): the TensorImpl reference the PyObject owns. Once a leaf
-#: adopted it, the leaf's ``.grad`` holds a second one, so a buffer shared by two leaves (``a + b``
-#: sends one gradient to both) is copied for the second. Measured on both checked builds.
-_SOLE_OWNER_USE_COUNT = 1
-
 
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -91,9 +85,41 @@ class Outcome:
     """What one interception did (also the payload of the trace event)."""
 
     action: str  # "set" | "accumulate" | "drop" | "error" | "keep"
-    source: str  # "propagated" | "zeros" | "none"
+    source: str  # "propagated" | "zeros" | "meta" | "none"
     zero_copy: bool = False
     bytes_copied: int = 0
+
+
+@dataclass(frozen=True)
+class AdoptBaseline:
+    """Reference counts seen on the zero-copy test for a gradient that provably nobody else
+    holds: the fake gradient (TensorImpl uses, Python references) and its propagated buffer
+    (TensorImpl uses, Python references, StorageImpl uses). Measured by a calibration probe through
+    the real hook path on the running build and Python (``_Applied.calibrate``), never assumed:
+    anything above these means someone else can see the buffer, and we copy."""
+
+    fake_uses: int
+    fake_refs: int
+    real_uses: int
+    real_refs: int
+    storage_uses: int
+
+    def admits(self, counts: tuple[int, int, int, int, int]) -> bool:
+        return (
+            counts[0] <= self.fake_uses
+            and counts[1] <= self.fake_refs
+            and counts[2] <= self.real_uses
+            and counts[3] <= self.real_refs
+            and counts[4] <= self.storage_uses
+        )
+
+
+_DROP_MESSAGE = (
+    "fakegrad_patch: FakeTensor gradients without real values reached real leaves; they were "
+    "dropped (on_missing='drop') and the leaves keep their previous .grad. Turn on "
+    "torch._functorch.config.fake_tensor_propagate_real_tensors to get real gradients. Shown once "
+    "per process; every drop is a fake_grad_drop trace event."
+)
 
 
 class Materializer:
@@ -101,13 +127,36 @@ class Materializer:
 
     ``adopt=False`` turns the zero-copy set path off (every new ``.grad`` is a copy), for callers
     whose propagated buffers stay referenced elsewhere (mirroring onto real sources).
+    ``on_written(leaf)`` is called after every write of a real ``.grad`` (the registry keeps the
+    grads it manages in sync with in-place changes made inside the mode).
     """
 
-    def __init__(self, resolved: Resolved, *, adopt: bool = True) -> None:
+    def __init__(
+        self,
+        resolved: Resolved,
+        *,
+        adopt: bool = True,
+        on_written: Any = None,
+    ) -> None:
         self._r = resolved
         self._adopt = adopt
-        self._warned_drop = False
-        self._warn_lock = threading.Lock()
+        self._on_written = on_written
+        #: None until calibrated (and forever if calibration failed): the set path then copies.
+        self.baseline: AdoptBaseline | None = None
+        self._calibration = threading.local()
+
+    # -- calibration (see AdoptBaseline) -------------------------------------------------------
+
+    @contextlib.contextmanager
+    def calibrating(self) -> Iterator[list[tuple[int, int, int, int, int]]]:
+        """Inside the block (this thread), the zero-copy test records its counts into the yielded
+        list and refuses (so the probe's gradients are copies) and nothing is traced."""
+        seen: list[tuple[int, int, int, int, int]] = []
+        self._calibration.seen = seen
+        try:
+            yield seen
+        finally:
+            self._calibration.seen = None
 
     # -- entry point from the AccumulateGrad pre-hook ------------------------------------------
 
@@ -119,31 +168,50 @@ class Materializer:
         upstream does (policy ``keep``).
         """
         start = time.perf_counter()
-        real = getattr(grad, "real_tensor", None)
-        if real is not None:
-            outcome = self._write(leaf, real, grad.dtype, "propagated")
+        if leaf.device.type == "meta":
+            # Shape-only analysis: a meta leaf has no data, so its gradient needs none either.
+            # Upstream gives it a (fake) meta gradient; eager on meta gives a real meta one.
+            with self._r.no_dispatch(), torch.no_grad():
+                value = torch.empty(grad.shape, dtype=grad.dtype, device="meta")
+                if grad.layout == torch.strided and leaf.layout == torch.strided:
+                    value = empty_like_contract(leaf, grad.dtype)
+            outcome = self._write(leaf, value, None, grad.dtype, "meta", fresh=True)
         else:
-            policy = _config.current().on_missing
-            if policy == "keep":
-                outcome = Outcome("keep", "none")
-            elif policy == "zeros":
-                with self._r.no_dispatch(), torch.no_grad():
-                    zeros = empty_like_contract(leaf, grad.dtype).zero_()
-                outcome = self._write(leaf, zeros, grad.dtype, "zeros", fresh=True)
-            elif policy == "error":
-                self._emit(leaf, Outcome("error", "none"), start)
-                raise FakeGradError(
-                    "fakegrad_patch: a FakeTensor gradient without real values reached a real "
-                    f"leaf {describe(leaf)}; the leaf keeps its previous .grad. Enable real-value "
-                    "propagation (torch._functorch.config.fake_tensor_propagate_real_tensors = "
-                    "True) before creating the FakeTensorMode, or choose another on_missing "
-                    "policy (fakegrad_patch.configure(on_missing=...) / FAKEGRAD_ON_MISSING)."
-                )
+            real = self._r.real_of(grad)
+            if real is not None:
+                outcome = self._write(leaf, real, grad, grad.dtype, "propagated")
             else:
-                outcome = Outcome("drop", "none")
-                self._warn_drop_once(leaf)
+                outcome = self._missing(leaf, grad, start)
         self._emit(leaf, outcome, start)
         return None if outcome.action == "keep" else (None,)
+
+    def _missing(self, leaf: torch.Tensor, grad: Any, start: float) -> Outcome:
+        policy = _config.current().on_missing
+        if policy == "keep":
+            return Outcome("keep", "none")
+        if policy == "zeros":
+            with self._r.no_dispatch(), torch.no_grad():
+                zeros = torch.zeros(grad.shape, dtype=grad.dtype, device=leaf.device)
+                if grad.layout == torch.strided and leaf.layout == torch.strided:
+                    zeros = empty_like_contract(leaf, grad.dtype).zero_()
+            return self._write(leaf, zeros, None, grad.dtype, "zeros", fresh=True)
+        if policy == "error":
+            self._emit(leaf, Outcome("error", "none"), start)
+            raise FakeGradError(
+                "fakegrad_patch: a FakeTensor gradient without real values reached a real "
+                f"leaf {describe(leaf)}; the leaf keeps its previous .grad. Enable real-value "
+                "propagation (torch._functorch.config.fake_tensor_propagate_real_tensors = "
+                "True) before creating the FakeTensorMode, or choose another on_missing "
+                "policy (fakegrad_patch.configure(on_missing=...) / FAKEGRAD_ON_MISSING)."
+            )
+        # drop: the event first (a user's ``-W error`` turns the warning into an exception, which
+        # must not lose the record), then one warning per process.
+        outcome = Outcome("drop", "none")
+        self._emit(leaf, outcome, start)
+        from ._patch import warn_once
+
+        warn_once("drop", _DROP_MESSAGE)
+        return _EMITTED_DROP
 
     # -- the rule -----------------------------------------------------------------------------
 
@@ -151,6 +219,7 @@ class Materializer:
         self,
         leaf: torch.Tensor,
         value: torch.Tensor,
+        grad: Any,
         grad_dtype: torch.dtype,
         source: str,
         *,
@@ -160,35 +229,64 @@ class Materializer:
         # be recorded (AccumulateGrad records ``prior + new`` only, which we do below).
         create_graph = torch.is_grad_enabled()
         with self._r.no_dispatch(), torch.no_grad() if create_graph else _NO_CONTEXT:
-            prior = leaf.grad
-            if prior is not None and isinstance(prior, self._r.fake_tensor_cls):
-                # Left by policy "keep" or by an unpatched run: its real values (if any) count.
-                prior_real = getattr(prior, "real_tensor", None)
-                prior = None
-                if prior_real is not None:
-                    leaf.grad = self._copy_obeying_contract(prior_real, leaf, grad_dtype)
-                    prior = leaf.grad
-            if prior is None:
-                if fresh or (self._adopt and self._can_adopt(value, leaf, grad_dtype)):
-                    leaf.grad = value
-                    return Outcome("set", source, zero_copy=True)
-                leaf.grad = self._copy_obeying_contract(value, leaf, grad_dtype)
-                return Outcome("set", source, bytes_copied=_nbytes(value))
-            copied = 0
-            if value.device != prior.device or value.dtype != prior.dtype:
-                value = value.to(device=prior.device, dtype=prior.dtype)
-                copied = _nbytes(value)
-            if create_graph:
-                leaf.grad = prior + value
-            else:
-                prior.add_(value)
-            return Outcome("accumulate", source, bytes_copied=copied)
+            outcome = self._write_unguarded(
+                leaf, value, grad, grad_dtype, source, fresh, create_graph
+            )
+        if self._on_written is not None:
+            self._on_written(leaf)
+        return outcome
 
-    def _can_adopt(self, value: torch.Tensor, leaf: torch.Tensor, dtype: torch.dtype) -> bool:
+    def _write_unguarded(
+        self,
+        leaf: torch.Tensor,
+        value: torch.Tensor,
+        grad: Any,
+        grad_dtype: torch.dtype,
+        source: str,
+        fresh: bool,
+        create_graph: bool,
+    ) -> Outcome:
+        prior = leaf.grad
+        if prior is not None and self._r.is_fake(prior):
+            # Left by policy "keep" or by an unpatched run: its real values (if any) count.
+            prior_real = self._r.real_of(prior)
+            prior = None
+            leaf.grad = None
+            if prior_real is not None:
+                leaf.grad = self._fresh_copy(prior_real, leaf, grad_dtype)
+                prior = leaf.grad
+        sparse = value.layout != torch.strided
+        if prior is None:
+            if sparse:
+                # AccumulateGrad clones sparse gradients unless it can prove its indices and
+                # values unshared; a clone is always right.
+                leaf.grad = value.to(device=leaf.device, dtype=grad_dtype, copy=True)
+                return Outcome("set", source, bytes_copied=_nbytes(value))
+            if fresh or (self._adopt and self._can_adopt(value, leaf, grad_dtype, grad)):
+                leaf.grad = value
+                return Outcome("set", source, zero_copy=True)
+            leaf.grad = self._fresh_copy(value, leaf, grad_dtype)
+            return Outcome("set", source, bytes_copied=_nbytes(value))
+        copied = 0
+        if value.device != prior.device or value.dtype != prior.dtype:
+            value = value.to(device=prior.device, dtype=prior.dtype)
+            copied = _nbytes(value)
+        if create_graph or (prior.layout != torch.strided and not sparse):
+            # out of place: double backward, or a sparse prior meeting a dense gradient
+            leaf.grad = value + prior if prior.layout != torch.strided else prior + value
+        else:
+            prior.add_(value)
+        return Outcome("accumulate", source, bytes_copied=copied)
+
+    def _can_adopt(
+        self, value: torch.Tensor, leaf: torch.Tensor, dtype: torch.dtype, grad: Any
+    ) -> bool:
         """May ``value`` become ``leaf.grad`` as is? AccumulateGrad's own test
-        (``is_tensor_stealable``): device, dtype and layout contract already match and nothing
-        else holds the tensor (``use_count``); we also refuse views."""
-        return (
+        (``is_tensor_stealable`` on the gradient it is handed) applied to the fake gradient *and*
+        to its propagated buffer: device, dtype and layout contract already match, no view, and
+        nobody but the fake gradient autograd hands us holds either (reference counts no higher
+        than the calibrated baseline). Anything unproven: copy."""
+        if not (
             type(value) is torch.Tensor
             and value.device == leaf.device
             and value.dtype == dtype
@@ -196,37 +294,42 @@ class Materializer:
             and not value.requires_grad
             and value._base is None
             and obeys_layout_contract(value, leaf)
-            and self._r.tensor_use_count(value) <= _SOLE_OWNER_USE_COUNT
+        ):
+            return False
+        seen = getattr(self._calibration, "seen", None)
+        baseline = self.baseline
+        if baseline is None and seen is None:
+            return False
+        r = self._r
+        counts = (
+            r.tensor_use_count(grad),
+            sys.getrefcount(grad),
+            r.tensor_use_count(value),
+            sys.getrefcount(value),
+            r.storage_use_count(value),
         )
+        if seen is not None:
+            seen.append(counts)
+            return False
+        assert baseline is not None
+        return baseline.admits(counts)
 
     @staticmethod
-    def _copy_obeying_contract(
-        value: torch.Tensor, leaf: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
+    def _fresh_copy(value: torch.Tensor, leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if value.layout != torch.strided or leaf.layout != torch.strided:
+            return value.to(device=leaf.device, dtype=dtype, copy=True)
         out = empty_like_contract(leaf, dtype)
         out.copy_(value)
         return out
 
     # -- reporting ----------------------------------------------------------------------------
 
-    def _warn_drop_once(self, leaf: torch.Tensor) -> None:
-        with self._warn_lock:
-            if self._warned_drop:
-                return
-            self._warned_drop = True
-        warnings.warn(
-            "fakegrad_patch: a FakeTensor gradient without real values reached real leaf "
-            f"{describe(leaf)}; it was dropped (on_missing='drop'), the leaf keeps its previous "
-            ".grad. Turn on torch._functorch.config.fake_tensor_propagate_real_tensors to get "
-            "real gradients. This warning is shown once; see the trace for every drop.",
-            FakeGradPatchWarning,
-            stacklevel=2,
-        )
-
     def _emit(self, leaf: torch.Tensor, outcome: Outcome, start: float) -> None:
         level = trace.WARNING if outcome.action in ("drop", "error") else trace.INFO
-        if not trace.enabled(level):
+        if not trace.enabled(level) or outcome is _EMITTED_DROP:
             return
+        if getattr(self._calibration, "seen", None) is not None:
+            return  # the calibration probe's own leaf
         from . import _leaves
 
         trace.emit(
@@ -247,6 +350,10 @@ class Materializer:
             return None
         task = getter()
         return task if task >= 0 else None
+
+
+#: The drop outcome once its event was emitted (before the warning): not emitted twice.
+_EMITTED_DROP = Outcome("drop", "none")
 
 
 def _nbytes(t: torch.Tensor) -> int:

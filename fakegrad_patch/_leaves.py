@@ -5,12 +5,24 @@ node is found the way ``torch.autograd.graph.get_gradient_edge`` finds it, see _
 pre-hooks run after every tensor hook on the leaf, so they see exactly what AccumulateGrad is
 about to accumulate.
 
-Why this is free once the fake computation is gone: a leaf only holds a *weak* reference to its
-AccumulateGrad node; the graphs that use the leaf hold it strongly. We arm while the fake op that
-uses the leaf is being dispatched, i.e. while that op's autograd node already holds the
-AccumulateGrad node. When the fake graph is freed, the node and our hook die with it, and the next
-real forward creates a fresh AccumulateGrad with no hook at all. Nothing keeps a leaf or a mode
-alive: the hook holds a weak reference to the leaf, the registry is keyed weakly.
+Why this is nearly free once the fake computation is gone: a leaf only holds a *weak* reference to
+its AccumulateGrad node; the graphs that use the leaf hold it strongly. We arm while the fake op
+that uses the leaf is being dispatched, i.e. while that op's autograd node already holds the
+AccumulateGrad node. When the fake graph is freed (and nothing else holds the node), the node and
+our hook die with it, and the next real forward creates a fresh AccumulateGrad with no hook at all.
+Something else *can* hold the node: DistributedDataParallel keeps every parameter's AccumulateGrad
+node for its lifetime, so there the hook stays registered and real backward passes call it; it
+returns at once for real gradients (one type check). Nothing keeps a leaf or a mode alive: the hook
+holds a weak reference to the leaf, the registry is keyed weakly.
+
+An armed hook outlives ``uninstall()``: a graph armed while the patch was installed finishes with
+real gradients (also when its backward runs after the ``patched()`` block, or in another thread
+while ``uninstall()`` runs). Only new graphs are left to upstream.
+
+The registry also remembers the real gradients the patch wrote or saw on armed leaves
+(:func:`note_grad`): when such a gradient is converted by a propagating mode (``zero_grad
+(set_to_none=False)``, ``clip_grad_norm_`` inside the mode), the fake's propagated values are the
+real gradient itself, so in-place changes reach it as they would in eager mode.
 """
 
 from __future__ import annotations
@@ -78,6 +90,9 @@ class Registry:
                 return  # its AccumulateGrad node is alive and already carries our hook
             if node is None:
                 node = self._grad_accumulator(leaf)
+                if node is None:  # does not require grad (any more): nothing can reach it
+                    return
+            note_grad(leaf)
             prehook = self._make_prehook(weakref.ref(leaf))
             _armed[key] = node.register_prehook(prehook)
             if len(_armed) >= _PRUNE_AT and len(_armed) % _PRUNE_AT == 0:
@@ -124,6 +139,43 @@ class Registry:
         """Leaves whose AccumulateGrad node is alive and hooked (for tests and doctor)."""
         with _lock:
             return sum(1 for h in _armed.values() if h.hooks_dict_ref() is not None)
+
+
+#: id(real grad) -> (weak ref to it, weak ref to its leaf): real gradients the patch wrote or saw
+#: on an armed leaf (see the module docstring). Checked on the conversion of tensors that do not
+#: require grad, so a plain dict by id, validated by identity.
+_grads: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
+
+
+def note_grad(leaf: torch.Tensor) -> None:
+    """Remember ``leaf.grad`` when it is a real strided tensor."""
+    grad = leaf.grad
+    if grad is None or type(grad) is not torch.Tensor or grad.layout != torch.strided:
+        return
+    key = id(grad)
+    entry = _grads.get(key)
+    if entry is not None and entry[0]() is grad:
+        return
+    _grads[key] = (weakref.ref(grad, functools.partial(_forget_grad, key)), weakref.ref(leaf))
+
+
+def managed_grad(t: torch.Tensor) -> bool:
+    """Is ``t`` (still) the real ``.grad`` of a leaf the patch knows?"""
+    entry = _grads.get(id(t))
+    if entry is None or entry[0]() is not t:
+        return False
+    leaf = entry[1]()
+    return leaf is not None and leaf.grad is t
+
+
+def has_managed_grads() -> bool:
+    return bool(_grads)
+
+
+def _forget_grad(key: int, ref: object) -> None:
+    entry = _grads.get(key)
+    if entry is not None and entry[0] is ref:
+        del _grads[key]
 
 
 def _forget_walked(key: int, _ref: object) -> None:

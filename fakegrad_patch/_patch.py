@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import wrapt
@@ -28,6 +29,9 @@ class _State:
         self.applied: _Applied | None = None
         self.skipped_reason: str | None = None
         self.warned: set[str] = set()
+        #: (arming, post-accumulate hooks skipped, zero-copy baseline): measured at first need,
+        #: once per process (a build's behaviour does not change between installations)
+        self.prepared: tuple[bool, bool, Any] | None = None
 
 
 _state = _State()
@@ -120,9 +124,9 @@ def uninstall() -> bool:
         applied, _state.applied = _state.applied, None
     if applied is None:
         return False
-    removed = applied.remove()
+    left = applied.remove()
     if trace.enabled(trace.INFO):
-        trace.emit("patch_uninstalled", trace.INFO, hooks_removed=removed)
+        trace.emit("patch_uninstalled", trace.INFO, hooks_removed=0, hooks_left=left)
     return True
 
 
@@ -139,9 +143,18 @@ def status() -> dict[str, Any]:
         "installed": applied is not None,
         "waiting_for_torch": _state.wanted and applied is None and not _torch_ready(),
         "skipped_reason": _state.skipped_reason,
-        "armed_leaves": applied.registry.armed_count() if applied else 0,
+        "armed_leaves": _armed_count(),
         "defects": applied.probes.known() if applied else {},
+        # None until first need (probe D1); False: upstream is fixed, the patch stands aside
+        "arming": applied._arming if applied else None,
+        "zero_copy": bool(applied and applied.materializer.baseline is not None),
     }
+
+
+def _armed_count() -> int:
+    """Hooks on live AccumulateGrad nodes, armed by this or an earlier installation."""
+    leaves = sys.modules.get(__package__ + "._leaves")
+    return leaves.Registry.armed_count() if leaves is not None else 0
 
 
 def current() -> _Applied | None:
@@ -149,7 +162,8 @@ def current() -> _Applied | None:
 
 
 class _Applied:
-    """One application of the patch: the wrapper on the converter and the objects it drives."""
+    """One application of the patch: the wrappers (converter, ``torch.autograd.backward``) and the
+    objects they drive."""
 
     def __init__(self) -> None:
         import torch
@@ -158,14 +172,24 @@ class _Applied:
 
         self._torch = torch
         self.resolved = _targets.resolve_all()
-        self.materializer = _accumulate.Materializer(self.resolved)
+        self._leaves = _leaves
+        self.materializer = _accumulate.Materializer(self.resolved, on_written=_leaves.note_grad)
         self.probes = _probes.Probes(self.resolved)
         self.registry = _leaves.Registry(self._make_prehook, self.resolved.grad_accumulator)
         self._bypassed = _probes.bypassed
-        self._d2 = _probes.D2
-        self._repaired = torch.utils.weak.WeakIdKeyDictionary()
-        self._fake_cls = self.resolved.fake_tensor_cls
+        self._bypass = _probes._bypass
+        self._probe_defs = _probes
+        #: id(fake root) -> (weak ref to it, version of the real source when its propagated
+        #: values were last taken): D2 repair and re-sync of stale propagated copies.
+        self._synced: dict[int, tuple[Any, int]] = {}
+        self._retained: dict[int, Any] = {}
+        self._is_fake = self.resolved.is_fake
+        self._real_of = self.resolved.real_of
         self._active = True
+        #: None until first need; then whether upstream has D1 (True: arm leaves).
+        self._arming: bool | None = None
+        self._post_hooks_skipped = False
+        self._ready_lock = threading.Lock()
         self.fake_leaves = _fakeleaves.FakeLeaves(self)
 
         cls = self.resolved.converter_cls
@@ -174,6 +198,81 @@ class _Applied:
         wrapt.wrap_function_wrapper(cls, _ATTR, self._from_real_tensor)
         self._wrapper: Any = cls.__dict__[_ATTR]
         self._original: Any = self._wrapper.__wrapped__
+
+        autograd = torch.autograd
+        self._autograd = autograd
+        self._backward_original = autograd.backward
+        wrapt.wrap_function_wrapper(autograd, "backward", self._backward)
+        self._backward_wrapper: Any = autograd.backward
+
+    # -- first need: probes D1 and P1, zero-copy calibration ------------------------------------
+
+    def arming(self) -> bool:
+        """Whether leaves are armed on this build (probe D1 at first need)."""
+        arming = self._arming
+        if arming is None:
+            with self._ready_lock:
+                if self._arming is None:
+                    prepared = _state.prepared
+                    if prepared is None:
+                        prepared = _state.prepared = self._prepare()
+                    self._post_hooks_skipped = prepared[1]
+                    self.materializer.baseline = prepared[2]
+                    self._arming = prepared[0]
+                arming = self._arming
+        return arming
+
+    def _prepare(self) -> tuple[bool, bool, Any]:
+        from ._probes import D1, POST_HOOKS
+
+        if not self.probes.has(D1):
+            if trace.enabled(trace.INFO):
+                trace.emit("standing_aside", trace.INFO, defect=D1.key)
+            return (False, False, None)
+        post_hooks_skipped = self.probes.has(POST_HOOKS)
+        baseline = None
+        try:
+            baseline = self._calibrate()
+        except Exception as exc:  # zero-copy stays off: every new .grad is a copy
+            self.internal_error("calibrate", exc)
+        if trace.enabled(trace.INFO):
+            trace.emit("zero_copy_calibrated", trace.INFO, enabled=baseline is not None)
+        return (True, post_hooks_skipped, baseline)
+
+    def _calibrate(self) -> Any:
+        """Measure the zero-copy test's reference counts through the real hook path: once for a
+        gradient nobody else holds (``(w * w).sum()``), once for one the caller keeps and autograd
+        hands on unchanged (``w.clone().backward(g)``). The first is the baseline; when the second
+        is not told apart from it, zero-copy stays off."""
+        from ._accumulate import AdoptBaseline
+
+        torch = self._torch
+        r = self.resolved
+        with (
+            r.ordinary_dispatch(),
+            torch.inference_mode(False),
+            r.disable_current_modes(),
+            torch.enable_grad(),
+            r.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
+            self._bypass(),
+        ):
+            leaf = torch.zeros(4, requires_grad=True)
+            with r.fake_mode_cls(allow_non_fake_inputs=True):
+                out = (leaf * leaf).sum()
+                self.registry.arm_leaf(leaf)
+                with self.materializer.calibrating() as exclusive:
+                    out.backward()
+                leaf.grad = None
+                held = torch.ones(4)
+                out = leaf.clone()
+                self.registry.arm_leaf(leaf)
+                with self.materializer.calibrating() as shared:
+                    out.backward(held)
+            del out, held
+        if len(exclusive) != 1 or len(shared) != 1:
+            return None
+        baseline = AdoptBaseline(*exclusive[0])
+        return None if baseline.admits(shared[0]) else baseline
 
     # -- the wrapper around FakeTensorConverter.from_real_tensor --------------------------------
 
@@ -186,86 +285,268 @@ class _Applied:
         try:
             t = args[1] if len(args) > 1 else kwargs["t"]
             if t.requires_grad:
-                self.registry.arm_tensor(t)
-            if type(t) is not self._torch.Tensor:
-                self._repair_d2(fake, t)
+                if self._arming if self._arming is not None else self.arming():
+                    self.registry.arm_tensor(t)
+                    if t.grad_fn is not None and t.retains_grad:
+                        self._arm_retained(t)
+                self._sync_values(fake, t)
+            elif type(t) is not self._torch.Tensor or t._base is not None:
+                self._sync_values(fake, t)  # frozen Parameters and views of Parameters (D2)
+            elif self._leaves._grads and self._leaves.managed_grad(t):
+                self._alias_grad(fake, t)
             # grad-copy fidelity (probe D4) and mirror_to_sources (issue 7)
             self.fake_leaves.on_convert(args[0] if args else kwargs["fake_mode"], t, fake)
         except Exception as exc:  # never break the host's fake computation
             self.internal_error("convert", exc)
         return fake
 
-    def _repair_d2(self, fake: Any, source: Any) -> None:
-        real = getattr(fake, "real_tensor", None)
-        if real is None or fake in self._repaired:
+    def _sync_values(self, fake: Any, source: Any) -> None:
+        """Keep the fake's propagated values equal to its real source's where upstream does not:
+        on builds with D2 a converted ``nn.Parameter`` (or any view of one: it is converted
+        through its base) gets uninitialised values, repaired here for the whole storage at once;
+        and on every build a fake kept in the converter's memo keeps the values of its first
+        conversion even after the real tensor changed (an optimizer step between two graphs of
+        one mode): re-taken when the source's version counter moved."""
+        real = self._real_of(fake)
+        if real is None:
             return
         torch = self._torch
-        if not isinstance(source, torch.nn.Parameter) or source.device.type == "meta":
+        root = source._base if source._base is not None else source
+        if root.device.type == "meta":
             return
-        if self.probes.has(self._d2):
-            with self.resolved.no_dispatch(), torch.no_grad():
-                real.copy_(source.detach())
-            if trace.enabled(trace.INFO):
-                from ._leaves import leaf_fields
+        fake_root = fake._base if fake._base is not None else fake
+        key = id(fake_root)
+        version = source._version
+        entry = self._synced.get(key)
+        if entry is not None and entry[0]() is fake_root:
+            if entry[1] == version:
+                return  # the common case: a memo hit, nothing changed
+            reason = "stale"
+        else:
+            reason = "d2" if type(root) is not torch.Tensor and self._has_d2() else None
+        if reason is not None:
+            self._copy_source_values(real, source, reason)
+        if len(self._synced) > 4096:
+            self._synced = {k: v for k, v in self._synced.items() if v[0]() is not None}
+        self._synced[key] = (weakref.ref(fake_root), version)
 
-                trace.emit(
-                    "d2_repaired",
-                    trace.INFO,
-                    **leaf_fields(source),
-                    bytes=real.numel() * real.element_size(),
+    def _has_d2(self) -> bool:
+        return self.probes.has(self._probe_defs.D2)
+
+    def _copy_source_values(self, real: Any, source: Any, reason: str) -> None:
+        torch = self._torch
+        with self.resolved.no_dispatch(), torch.no_grad():
+            src_storage = source.untyped_storage()
+            dst_storage = real.untyped_storage()
+            if (
+                src_storage.nbytes() == dst_storage.nbytes()
+                and real.storage_offset() == source.storage_offset()
+                and real.stride() == source.stride()
+            ):
+                dst_storage.copy_(src_storage)  # every alias of the source at once
+            else:
+                real.copy_(source.detach())
+            nbytes = src_storage.nbytes()
+        if trace.enabled(trace.INFO):
+            from ._leaves import leaf_fields
+
+            event = "d2_repaired" if reason == "d2" else "propagated_values_resynced"
+            trace.emit(event, trace.INFO, **leaf_fields(source), bytes=nbytes)
+
+    def _alias_grad(self, fake: Any, grad: Any) -> None:
+        """``grad`` is the real ``.grad`` of a leaf the patch manages, converted by a propagating
+        mode (``p.grad.zero_()``, ``clip_grad_norm_`` inside the mode): make its fake's propagated
+        values the real gradient itself, so in-place changes made in the mode reach it as they
+        would in eager mode (and reads see its current values)."""
+        if self._real_of(fake) is None or fake.shape != grad.shape:
+            return
+        if fake.stride() != grad.stride() or fake.dtype != grad.dtype:
+            return
+        if fake.real_tensor is not grad:
+            fake.real_tensor = grad
+
+    # -- real non-leaves with retain_grad() ----------------------------------------------------
+
+    def _arm_retained(self, t: Any) -> None:
+        """A real non-leaf with ``retain_grad()`` feeding the mode: its retain hook stores
+        ``grad.clone()`` (or ``prior + grad``) computed on a fake gradient. A tensor hook (runs
+        before it) remembers the prior real ``.grad``; a pre-hook on the same node (runs after it)
+        replaces the fake ``.grad`` by its real values, or applies ``on_missing``."""
+        key = id(t)
+        entry = self._retained.get(key)
+        if entry is not None and entry() is t:
+            return
+        t_ref = weakref.ref(t)
+        self._retained[key] = t_ref
+        box: dict[str, Any] = {}
+
+        def remember_prior(_grad: Any) -> None:
+            tensor = t_ref()
+            box["prior"] = None if tensor is None else tensor.grad
+
+        def fix_retained(_grads: tuple[Any, ...]) -> None:
+            tensor = t_ref()
+            if tensor is None:
+                return
+            try:
+                self._fix_retained(tensor, box.pop("prior", None))
+            except FakeGradError:
+                raise
+            except Exception as exc:
+                self.internal_error("retain_grad", exc)
+
+        t.register_hook(remember_prior)
+        t.grad_fn.register_prehook(fix_retained)
+
+    def _fix_retained(self, tensor: Any, prior: Any) -> None:
+        from . import _config
+
+        grad = tensor.grad
+        if grad is None or not self._is_fake(grad):
+            return
+        real = self._real_of(grad)
+        torch = self._torch
+        with self.resolved.no_dispatch(), torch.no_grad():
+            if real is not None:
+                tensor.grad = real  # a fresh clone (or sum) the retain hook made: ours alone
+                return
+            policy = _config.current().on_missing
+            if policy == "keep":
+                return
+            if policy == "error":
+                tensor.grad = prior
+                raise FakeGradError(
+                    "fakegrad_patch: a FakeTensor gradient without real values reached a real "
+                    "non-leaf with retain_grad(); it keeps its previous .grad."
                 )
-        self._repaired[fake] = None
+            if policy == "zeros":
+                zeros = torch.zeros(grad.shape, dtype=grad.dtype, device=tensor.device)
+                tensor.grad = zeros if prior is None else prior + zeros
+            else:
+                tensor.grad = prior
+                warn_once("drop", _drop_message())
+
+    # -- the wrapper around torch.autograd.backward ---------------------------------------------
+
+    def _backward(
+        self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        grad_tensors = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
+        if grad_tensors is None or not self._active or self._bypassed():
+            return wrapped(*args, **kwargs)  # the common case: no gradient given
+        keep: list[Any] = []
+        try:
+            tensors = args[0] if args else kwargs.get("tensors")
+            keep = self._arm_for_fake_gradients(tensors, grad_tensors)
+        except Exception as exc:  # never break the host's backward
+            self.internal_error("backward", exc)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            del keep
+
+    def _arm_for_fake_gradients(self, tensors: Any, grad_tensors: Any) -> list[Any]:
+        """Real tensors receiving fake gradients (``out.backward(fake)``,
+        ``torch.autograd.backward(real, fake_grads)``): arm the leaves of their real graphs.
+        Returns the AccumulateGrad nodes of leaves given directly (``leaf.backward(fake)``), which
+        nothing else holds until the engine makes its graph root."""
+        torch = self._torch
+        grads = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
+        if not any(g is not None and self._is_fake(g) for g in grads):
+            return []
+        if not self.arming():
+            return []
+        outs = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        keep: list[Any] = []
+        for t in outs:
+            if not isinstance(t, torch.Tensor) or self._is_fake(t) or not t.requires_grad:
+                continue
+            if t.grad_fn is None:
+                node = self.resolved.grad_accumulator(t)
+                if node is not None:
+                    keep.append(node)
+                    self.registry.arm_leaf(t, node)
+            else:
+                self.registry.arm_tensor(t)
+                if t.retains_grad:
+                    self._arm_retained(t)
+        return keep
 
     # -- the AccumulateGrad pre-hook ------------------------------------------------------------
 
     def _make_prehook(self, leaf_ref: Any) -> Any:
-        fake_cls = self._fake_cls
+        is_fake = self._is_fake
 
         def fakegrad_prehook(grad_outputs: tuple[Any, ...]) -> Any:
             grad = grad_outputs[0]
-            if not isinstance(grad, fake_cls):
+            if grad is None or not is_fake(grad):
                 return None  # real gradients: AccumulateGrad as usual
             leaf = leaf_ref()
-            if leaf is None or not self._active:
-                return None
+            if leaf is None or not leaf.requires_grad:
+                return None  # AccumulateGrad skips a leaf that no longer requires grad
             try:
-                return self.materializer.on_fake_grad(leaf, grad)
-            except FakeGradError:
-                raise
+                result = self.materializer.on_fake_grad(leaf, grad)
+            except (FakeGradError, FakeGradPatchWarning):
+                raise  # on_missing="error", or the user's warnings filter (-W error)
             except Exception as exc:
                 # Keep what the leaf had (never a FakeTensor), say so, keep backward running.
                 self.internal_error("materialize", exc)
                 return (None,)
+            if result is not None and self._post_hooks_skipped:
+                self._run_post_accumulate_hooks(leaf)
+            return result
 
         return fakegrad_prehook
 
+    def _run_post_accumulate_hooks(self, leaf: Any) -> None:
+        """Probe P1 found that this build skips them once our pre-hook returned ``(None,)``."""
+        hooks = self.resolved.post_accumulate_hooks(leaf)
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(leaf)
+
     def internal_error(self, where: str, exc: BaseException) -> None:
+        if trace.enabled(trace.ERROR):
+            trace.emit(
+                "internal_error", trace.ERROR, where=where, error=f"{type(exc).__name__}: {exc}"
+            )
         warn_once(
             f"internal:{where}",
             f"fakegrad_patch: internal error while handling a fake gradient ({where}): "
             f"{type(exc).__name__}: {exc}. The leaf keeps its previous gradient. Please report "
             "this with `python -m fakegrad_patch doctor` output.",
         )
-        if trace.enabled(trace.ERROR):
-            trace.emit(
-                "internal_error", trace.ERROR, where=where, error=f"{type(exc).__name__}: {exc}"
-            )
 
     # -- removal -------------------------------------------------------------------------------
 
     def remove(self) -> int:
+        """Unwrap both functions. Hooks already armed stay: their graphs finish with real
+        gradients (see _leaves). Returns how many armed hooks are left to finish."""
         self._active = False
-        current = self._cls.__dict__.get(_ATTR)
-        if current is self._wrapper:
-            if self._had_own_attr:
-                setattr(self._cls, _ATTR, self._original)
+        self._unwrap(self._cls, _ATTR, self._wrapper, self._original, self._had_own_attr)
+        self._unwrap(self._autograd, "backward", self._backward_wrapper, None, True)
+        return self.registry.armed_count()
+
+    def _unwrap(self, owner: Any, attr: str, wrapper: Any, original: Any, had_own: bool) -> None:
+        current = owner.__dict__.get(attr)
+        if current is wrapper:
+            if original is None:
+                original = wrapper.__wrapped__
+            if had_own:
+                setattr(owner, attr, original)
             else:
-                delattr(self._cls, _ATTR)
+                delattr(owner, attr)
         else:
             # Somebody wrapped over us; unwinding would drop their wrapper. Ours is now inert.
             warn_once(
-                "rewrapped",
-                f"fakegrad_patch: {FROM_REAL_TENSOR.dotted} was re-wrapped by someone else after "
-                "fakegrad_patch; leaving it in place (the fakegrad_patch layer is now inactive).",
+                f"rewrapped:{attr}",
+                f"fakegrad_patch: {getattr(owner, '__name__', owner)}.{attr} was re-wrapped by "
+                "someone else after fakegrad_patch; leaving it in place (the fakegrad_patch "
+                "layer is now inactive).",
             )
-        return self.registry.disarm_all()
+
+
+def _drop_message() -> str:
+    from ._accumulate import _DROP_MESSAGE
+
+    return _DROP_MESSAGE

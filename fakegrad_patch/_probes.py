@@ -58,11 +58,36 @@ GRAD_COPY = Defect(
 )
 
 
+#: D1: the defect this package exists for. A real leaf in a propagating fake backward receives a
+#: FakeTensor ``.grad`` (or loses its new gradient when it had a real one). Present on every build
+#: measured so far (2.6 to 2.15); where a build fixes it upstream, the patch arms nothing.
+D1 = Defect(
+    "D1_fake_grad_in_real_leaf",
+    "a real leaf in a propagating fake backward gets a FakeTensor .grad or loses its gradient",
+)
+
+#: P1: a node pre-hook on AccumulateGrad that returns ``(None,)`` also stops the leaf's
+#: post-accumulate hooks (seen on 2.6.0; 2.13.0 and 2.15.0 still run them). Where present, the
+#: patch runs those hooks itself after writing the real gradient. A behaviour the mechanism relies
+#: on, probed like a defect (plain eager mode, no fake tensor involved).
+POST_HOOKS = Defect(
+    "P1_post_accumulate_hooks_skipped",
+    "AccumulateGrad skips post-accumulate hooks after a pre-hook returns (None,)",
+)
+
+ALL_DEFECTS: tuple[Defect, ...] = (D1, D2, GRAD_COPY, POST_HOOKS)
+
+
+_results: dict[str, bool] = {}
+_results_lock = threading.Lock()
+
+
 class Probes:
     def __init__(self, resolved: Resolved) -> None:
         self._r = resolved
-        self._lock = threading.Lock()
-        self._results: dict[str, bool] = {}
+        self._lock = _results_lock
+        #: shared by every installation in the process: a build's behaviour does not change
+        self._results = _results
 
     def has(self, defect: Defect) -> bool:
         """Does this torch have ``defect``? Probed on first call, then cached."""
@@ -81,18 +106,56 @@ class Probes:
 
     def detected(self) -> dict[str, bool]:
         """Every probe's answer (runs those not yet run)."""
-        return {d.key: self.has(d) for d in (D2, GRAD_COPY)}
+        return {d.key: self.has(d) for d in ALL_DEFECTS}
 
     def _run(self, defect: Defect) -> bool:
-        if defect is D2:
-            found = self._probe_parameter_real_tensor()
-        elif defect is GRAD_COPY:
-            found = self._probe_grad_copy()
-        else:  # pragma: no cover - one probe today
-            raise KeyError(defect.key)
+        probe = {
+            D1.key: self._probe_fake_grad_in_real_leaf,
+            D2.key: self._probe_parameter_real_tensor,
+            GRAD_COPY.key: self._probe_grad_copy,
+            POST_HOOKS.key: self._probe_post_hooks_skipped,
+        }[defect.key]
+        # An explicit, ordinary autograd state: probes run at first need, which can be inside a
+        # fake op's dispatch (autograd keys excluded), under no_grad or inference_mode.
+        with self._r.ordinary_dispatch(), torch.inference_mode(False):
+            found = probe()
         if trace.enabled(trace.INFO):
             trace.emit("defect_probed", trace.INFO, defect=defect.key, present=found)
         return found
+
+    def _probe_fake_grad_in_real_leaf(self) -> bool:
+        """Does upstream write a correct real gradient into a real leaf (no prior, then a prior
+        that must be accumulated in place)? Our own hooks are bypassed for the probe."""
+        try:
+            return self._fake_grad_in_real_leaf()
+        except Exception:
+            return True  # cannot tell (no propagation on this build?): assume upstream is not fixed
+
+    def _fake_grad_in_real_leaf(self) -> bool:
+        expected = torch.tensor([2.0, 4.0, 6.0])
+        propagate = self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True)
+        with self._r.disable_current_modes(), torch.enable_grad(), propagate, _bypass():
+            leaf = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+            with self._r.fake_mode_cls(allow_non_fake_inputs=True):
+                (leaf * leaf).sum().backward()
+            first = leaf.grad
+            if first is None or self._r.is_fake(first) or not torch.equal(first, expected):
+                return True
+            with self._r.fake_mode_cls(allow_non_fake_inputs=True):
+                (leaf * leaf).sum().backward()
+            second = leaf.grad
+            return not (second is first and torch.equal(second, 2 * expected))
+
+    def _probe_post_hooks_skipped(self) -> bool:
+        ran: list[bool] = []
+        with self._r.disable_current_modes(), torch.enable_grad(), _bypass():
+            leaf = torch.zeros(2, requires_grad=True)
+            leaf.register_post_accumulate_grad_hook(lambda _t: ran.append(True))
+            out = (leaf * 2).sum()
+            node = out.grad_fn.next_functions[0][0]
+            node.register_prehook(lambda _grads: (None,))
+            out.backward()
+        return not ran
 
     def _probe_parameter_real_tensor(self) -> bool:
         values = torch.linspace(-3.25, 7.5, 24).reshape(4, 6)

@@ -20,6 +20,10 @@ from typing import Any
 #: torch builds the whole list below was read and tested against.
 CHECKED_ON: tuple[str, ...] = ("2.13.0+cpu", "2.14.1+cu130")
 
+#: Oldest and newest torch release the suite runs on in CI (inclusive). ``doctor`` reports a
+#: build outside it; pyproject.toml declares the same range.
+TESTED_TORCH: tuple[str, str] = ("2.13.0", "2.15.0")
+
 #: The module whose import makes the patch applicable (wrapt post-import hook target).
 FAKE_TENSOR_MODULE = "torch._subclasses.fake_tensor"
 
@@ -131,6 +135,40 @@ TENSOR_USE_COUNT = Target(
     "zero-copy set path: AccumulateGrad's stealable test",
 )
 
+#: CALLED. StorageImpl reference count. A propagated buffer may share its storage with another
+#: tensor without being a view (``detach()``, ``set_``): before taking a buffer over as ``.grad``
+#: we require that nothing but the buffer itself holds its storage (calibrated by a probe).
+STORAGE_USE_COUNT = Target(
+    "torch._C",
+    "_storage_Use_Count",
+    "zero-copy set path: nothing else shares the propagated buffer's storage",
+)
+
+#: CALLED, OPTIONAL. torch's own "is this a fake tensor" test (2.14+: also true for the coming C++
+#: FakeTensor, which an ``isinstance(x, FakeTensor)`` test would not see). Fallback: isinstance.
+IS_FAKE_TENSOR = Target(
+    FAKE_TENSOR_MODULE,
+    "is_fake_tensor",
+    "optional: recognise fakes the way torch does (2.14+); isinstance fallback",
+)
+
+#: CALLED, OPTIONAL. torch's accessor for a fake's propagated real tensor (2.14+). Fallback: the
+#: ``real_tensor`` attribute.
+MAYBE_GET_REAL_TENSOR = Target(
+    FAKE_TENSOR_MODULE,
+    "maybe_get_real_tensor",
+    "optional: a fake's propagated values the way torch reads them (2.14+)",
+)
+
+#: READ, OPTIONAL. The dict behind ``Tensor.register_post_accumulate_grad_hook``. Only used on
+#: builds where probe P1 finds that a pre-hook returning ``(None,)`` stops AccumulateGrad from
+#: running the leaf's post-accumulate hooks (seen on 2.6.0): we then run them ourselves.
+POST_ACCUMULATE_HOOKS = Target(
+    "torch",
+    "Tensor._post_accumulate_grad_hooks",
+    "optional: run post-accumulate hooks where the build skips them after our pre-hook",
+)
+
 #: CALLED, OPTIONAL. Id of the backward pass (GraphTask) running on this thread, -1 outside one.
 #: Only used to give trace events a ``backward_id``; when absent, events carry ``None``.
 GRAPH_TASK_ID = Target(
@@ -150,15 +188,30 @@ ALL_TARGETS: tuple[Target, ...] = (
     TLS_INCLUDE_SET,
     TLS_EXCLUDE_SET,
     TENSOR_USE_COUNT,
+    STORAGE_USE_COUNT,
+    IS_FAKE_TENSOR,
+    MAYBE_GET_REAL_TENSOR,
+    POST_ACCUMULATE_HOOKS,
     GRAPH_TASK_ID,
 )
 
 #: Targets whose absence degrades a detail instead of blocking the patch.
-OPTIONAL_TARGETS: frozenset[Target] = frozenset({GRAPH_TASK_ID})
+OPTIONAL_TARGETS: frozenset[Target] = frozenset(
+    {GRAPH_TASK_ID, IS_FAKE_TENSOR, MAYBE_GET_REAL_TENSOR, POST_ACCUMULATE_HOOKS}
+)
 
 # Public, documented torch APIs we also rely on (listed for completeness; not private):
 # torch.autograd.graph.get_gradient_edge (>=2.2), Node.register_prehook, Node.next_functions,
-# AccumulateGrad.variable, Tensor._base.
+# AccumulateGrad.variable, Tensor._base, Tensor.retains_grad, Tensor._version.
+# WRAPPED (public): ``torch.autograd.backward``, the function ``Tensor.backward`` calls, to arm
+# the leaves of a *real* graph that receives a fake gradient (``out.backward(fake_grad)``): no
+# conversion happens there, so the converter wrapper never sees those leaves. Checked on the
+# builds above: ``Tensor.backward`` looks ``torch.autograd.backward`` up at call time.
+AUTOGRAD_BACKWARD = Target(
+    "torch.autograd",
+    "backward",
+    "wrapped (public API): real graphs that receive fake gradients",
+)
 
 _FROM_REAL_TENSOR_PARAMS = ("self", "fake_mode", "t")
 
@@ -213,6 +266,11 @@ class Resolved:
     graph_task_id: Callable[[], int] | None
     grad_accumulator: Callable[[Any], Any]
     tensor_use_count: Callable[[Any], int]
+    storage_use_count: Callable[[Any], int]
+    is_fake: Callable[[Any], bool]
+    real_of: Callable[[Any], Any]
+    post_accumulate_hooks: Callable[[Any], Any]
+    ordinary_dispatch: Callable[[], Any]
 
 
 def resolve_all() -> Resolved:
@@ -222,18 +280,41 @@ def resolve_all() -> Resolved:
     resolve(PROPAGATE_CONFIG)
     module = importlib.import_module(FAKE_TENSOR_MODULE)
     disable_current_modes = resolve(DISABLE_CURRENT_MODES)
+    fake_cls = resolve(FAKE_TENSOR)
+    storage_count = resolve(STORAGE_USE_COUNT)
     return Resolved(
         fake_tensor_module=module,
         converter_cls=module.FakeTensorConverter,
-        fake_tensor_cls=resolve(FAKE_TENSOR),
+        fake_tensor_cls=fake_cls,
         fake_mode_cls=resolve(FAKE_TENSOR_MODE),
         disable_current_modes=disable_current_modes,
         no_dispatch=resolve(NO_DISPATCH),
         functorch_config=importlib.import_module(PROPAGATE_CONFIG.module),
         graph_task_id=_resolve_optional(GRAPH_TASK_ID),
         grad_accumulator=_make_grad_accumulator_getter(),
+        ordinary_dispatch=_make_ordinary_dispatch(),
         tensor_use_count=resolve(TENSOR_USE_COUNT),
+        storage_use_count=lambda t: storage_count(t.untyped_storage()._cdata),
+        is_fake=_make_is_fake(fake_cls),
+        real_of=_make_real_of(),
+        post_accumulate_hooks=lambda leaf: getattr(leaf, "_post_accumulate_grad_hooks", None),
     )
+
+
+def _make_is_fake(fake_cls: type) -> Callable[[Any], bool]:
+    """``is_fake(x)``: the exact-type test first (the common case, ~50 ns), then torch's own
+    helper where the build has one (C++ fakes), else ``isinstance``."""
+    helper = _resolve_optional(IS_FAKE_TENSOR)
+    if helper is None:
+        return lambda x: isinstance(x, fake_cls)
+    return lambda x: type(x) is fake_cls or bool(helper(x))
+
+
+def _make_real_of() -> Callable[[Any], Any]:
+    helper = _resolve_optional(MAYBE_GET_REAL_TENSOR)
+    if helper is None:
+        return lambda x: getattr(x, "real_tensor", None)
+    return lambda x: helper(x)
 
 
 def _make_grad_accumulator_getter() -> Callable[[Any], Any]:
@@ -248,9 +329,12 @@ def _make_grad_accumulator_getter() -> Callable[[Any], Any]:
 
     guard = resolve(FORCE_DISPATCH_KEY_GUARD)
     keys = torch._C.DispatchKeySet
-    include = resolve(TLS_INCLUDE_SET)()
+    # Captured in an explicit, ordinary autograd state whatever the caller's is: the first
+    # ``import fakegrad_patch`` may run inside ``torch.inference_mode()``, whose TLS excludes the
+    # autograd keys (capturing that would break every later lookup).
+    include, exclude_now = _ordinary_keys()
     exclude = (
-        resolve(TLS_EXCLUDE_SET)()
+        exclude_now
         | keys(torch._C.DispatchKey.Python)
         | keys(torch._C.DispatchKey.PythonTLSSnapshot)
         | keys(torch._C.DispatchKey.PreDispatch)
@@ -258,10 +342,37 @@ def _make_grad_accumulator_getter() -> Callable[[Any], Any]:
     enable_grad = torch.enable_grad
 
     def get(leaf: Any) -> Any:
+        """The node, or None when the leaf has none (it does not require grad)."""
         with guard(include, exclude), enable_grad():
-            return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+            grad_fn = leaf.view_as(leaf).grad_fn
+            return None if grad_fn is None else grad_fn.next_functions[0][0]
 
     return get
+
+
+def _ordinary_keys() -> tuple[Any, Any]:
+    """TLS dispatch key sets of ordinary code (autograd on, no mode), captured in an explicit
+    state whatever the caller's is."""
+    import torch
+
+    with torch.inference_mode(False):
+        include, exclude = resolve(TLS_INCLUDE_SET)(), resolve(TLS_EXCLUDE_SET)()
+    # The patch may be installed inside a mode (``import fakegrad_patch`` in a FakeTensorMode
+    # block): the Python keys that a mode push adds are not part of the ordinary state.
+    key = torch._C.DispatchKey
+    for python_key in (key.Python, key.PythonTLSSnapshot, key.PreDispatch):
+        include = include.remove(python_key)
+        exclude = exclude.remove(python_key)
+    return include, exclude
+
+
+def _make_ordinary_dispatch() -> Callable[[], Any]:
+    """A context manager factory forcing ordinary dispatch state: the probes run a tiny autograd
+    graph under a private mode, possibly from inside a fake op's dispatch (first need), where
+    autograd keys are excluded."""
+    guard = resolve(FORCE_DISPATCH_KEY_GUARD)
+    include, exclude = _ordinary_keys()
+    return lambda: guard(include, exclude)
 
 
 def _resolve_optional(target: Target) -> Any:

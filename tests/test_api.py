@@ -105,17 +105,28 @@ def test_uninstall_restores_the_original_function_exactly() -> None:
 
 
 @pytest.mark.usefixtures("propagate")
-def test_uninstall_removes_hooks_from_live_graphs() -> None:
+def test_graph_armed_before_uninstall_finishes_with_real_grads() -> None:
+    """uninstall() leaves new graphs to upstream, but a graph armed while installed finishes with
+    real gradients (never a silent FakeTensor in .grad); new graphs are upstream's again."""
     w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(2, 3)
+    expected = x.sum(0)[:, None].expand(3, 3)
     with fake_mode():
-        loss = (torch.randn(2, 3) @ w).sum()
+        loss = (x @ w).sum()
         assert fakegrad_patch.status()["armed_leaves"] == 1
         fakegrad_patch.uninstall()
         try:
             loss.backward()
+            finished = w.grad
+            w.grad = None
+            del loss  # its graph held w's armed AccumulateGrad node
+            (x @ w).sum().backward()  # a graph built after uninstall: upstream behaviour
+            after = w.grad
         finally:
             fakegrad_patch.install()
-    assert isinstance(w.grad, FakeTensor)  # upstream behaviour: our hook is really gone
+    assert is_real(finished)
+    torch.testing.assert_close(finished, expected)
+    assert isinstance(after, FakeTensor)
 
 
 @pytest.mark.usefixtures("propagate")

@@ -32,7 +32,7 @@ def test_default_is_drop_and_warns_once_and_traces_every_drop() -> None:
     prior = model.bias.grad
     applied = fakegrad_patch._patch.current()
     assert applied is not None
-    applied.materializer._warned_drop = False  # the once-per-process flag, for this test
+    fakegrad_patch._patch._state.warned.discard("drop")  # the once-per-process flag, for this test
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _fake_backward(model)

@@ -46,9 +46,12 @@ GRAD_KEYS = (
 SCHEMA: dict[str, tuple[str, set[str]]] = {
     "patch_installed": ("info", ENVELOPE | {"torch", "target", "defects"}),
     "patch_skipped": ("warning", ENVELOPE | {"torch", "reason"}),
-    "patch_uninstalled": ("info", ENVELOPE | {"hooks_removed"}),
+    "patch_uninstalled": ("info", ENVELOPE | {"hooks_removed", "hooks_left"}),
     "defect_probed": ("info", ENVELOPE | {"defect", "present"}),
     "d2_repaired": ("info", ENVELOPE | {"leaf_id", "name", "shape", "dtype", "device", "bytes"}),
+    "propagated_values_resynced": ("info", ENVELOPE | LEAF_KEYS | {"bytes"}),
+    "standing_aside": ("info", ENVELOPE | {"defect"}),
+    "zero_copy_calibrated": ("info", ENVELOPE | {"enabled"}),
     "leaf_armed": ("debug", ENVELOPE | LEAF_KEYS),
     "leaf_released": ("debug", ENVELOPE | LEAF_KEYS),
     "fake_grad_set": ("info", GRAD_KEYS),
