@@ -37,6 +37,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import trace
+from ._probes import bypassed
 
 _lock = threading.RLock()
 #: id(leaf) -> RemovableHandle of our pre-hook on the leaf's AccumulateGrad node. Plain ids (this
@@ -97,7 +98,7 @@ class Registry:
             _armed[key] = node.register_prehook(prehook)
             if len(_armed) >= _PRUNE_AT and len(_armed) % _PRUNE_AT == 0:
                 _prune()
-        if trace.enabled(trace.DEBUG):
+        if trace.enabled(trace.DEBUG) and not bypassed():  # not the probes' own leaves
             fields = leaf_fields(leaf)
             trace.emit("leaf_armed", trace.DEBUG, **fields)
             # The pre-hook dies with the AccumulateGrad node, i.e. when the fake graph is freed

@@ -179,9 +179,10 @@ class _Applied:
         self._bypassed = _probes.bypassed
         self._bypass = _probes._bypass
         self._probe_defs = _probes
-        #: id(fake root) -> (weak ref to it, version of the real source when its propagated
-        #: values were last taken): D2 repair and re-sync of stale propagated copies.
-        self._synced: dict[int, tuple[Any, int]] = {}
+        #: id(real source root) -> (weak refs to it and to the fake root last seen for it, source
+        #: version when that fake's propagated copy was last synced): D2 repair and re-sync of
+        #: stale copies.
+        self._synced: dict[int, tuple[Any, Any, int]] = {}
         self._retained: dict[int, Any] = {}
         self._is_fake = self.resolved.is_fake
         self._real_of = self.resolved.real_of
@@ -304,31 +305,42 @@ class _Applied:
         """Keep the fake's propagated values equal to its real source's where upstream does not:
         on builds with D2 a converted ``nn.Parameter`` (or any view of one: it is converted
         through its base) gets uninitialised values, repaired here for the whole storage at once;
-        and on every build a fake kept in the converter's memo keeps the values of its first
-        conversion even after the real tensor changed (an optimizer step between two graphs of
-        one mode): re-taken when the source's version counter moved."""
+        and on every build a converter keeps the propagated copy of its first conversion (in its
+        tensor memo on 2.13, through its storage memo for a new fake on 2.14) even after the real
+        tensor changed (an optimizer step between two graphs of one mode). A fake seen before is
+        re-synced when the source's version counter moved; a new fake's values are compared with
+        the source once (a new fake can share a stale buffer with fakes we never saw, e.g. the
+        ``weight.t()`` a kept graph saved)."""
         real = self._real_of(fake)
         if real is None:
             return
-        torch = self._torch
         root = source._base if source._base is not None else source
         if root.device.type == "meta":
             return
+        key = id(root)
         fake_root = fake._base if fake._base is not None else fake
-        key = id(fake_root)
         version = source._version
         entry = self._synced.get(key)
-        if entry is not None and entry[0]() is fake_root:
-            if entry[1] == version:
+        if entry is not None and entry[0]() is root and entry[1]() is fake_root:
+            if entry[2] == version:
                 return  # the common case: a memo hit, nothing changed
-            reason = "stale"
-        else:
-            reason = "d2" if type(root) is not torch.Tensor and self._has_d2() else None
+            reason: str | None = "stale"
+        elif self._same_values(real, source):
+            reason = None  # a fresh, right copy (what upstream does without D2)
+        else:  # D2's uninitialised copy, or a stale one from the converter's storage memo
+            reason = "d2" if type(root) is not self._torch.Tensor and self._has_d2() else "stale"
         if reason is not None:
             self._copy_source_values(real, source, reason)
         if len(self._synced) > 4096:
             self._synced = {k: v for k, v in self._synced.items() if v[0]() is not None}
-        self._synced[key] = (weakref.ref(fake_root), version)
+        self._synced[key] = (weakref.ref(root), weakref.ref(fake_root), version)
+
+    def _same_values(self, real: Any, source: Any) -> bool:
+        """Once per new fake of a source (not per memo hit): O(n), like one elementwise op."""
+        if real.layout != self._torch.strided or real.shape != source.shape:
+            return True
+        with self.resolved.no_dispatch():
+            return bool(self._torch.equal(real, source.detach()))
 
     def _has_d2(self) -> bool:
         return self.probes.has(self._probe_defs.D2)

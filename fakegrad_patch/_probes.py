@@ -152,8 +152,8 @@ class Probes:
             leaf = torch.zeros(2, requires_grad=True)
             leaf.register_post_accumulate_grad_hook(lambda _t: ran.append(True))
             out = (leaf * 2).sum()
-            node = out.grad_fn.next_functions[0][0]
-            node.register_prehook(lambda _grads: (None,))
+            node = out.grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+            node.register_prehook(lambda _grads: (None,))  # type: ignore[union-attr]
             out.backward()
         return not ran
 

@@ -103,7 +103,7 @@ def test_json_summary_matches_the_raw_events(
     assert kinds == {"error": 1, "drop": 2, "keep": 2, "zeros": 2}
     (proc,) = summary["patch"]
     assert proc["installed"] == 1 and proc["uninstalled"] == 1
-    assert "D2_parameter_real_tensor" in proc["defects"]
+    assert "D1_fake_grad_in_real_leaf" in proc["defects"]
 
 
 def test_text_summary_puts_problems_first(
