@@ -224,3 +224,25 @@ def test_bogus_value_is_echoed_bounded_and_escaped(venv: Venv, tmp_path: Path, n
         assert len(run.stderr) < 300, (route, len(run.stderr))
         assert run.stderr.isascii() and run.stderr[:-1].isprintable(), (route, run.stderr)
         assert "not understood" in run.stderr
+
+
+def test_without_wrapt_the_hook_warns_once_and_torch_imports_unpatched(
+    venv: Venv, tmp_path: Path
+) -> None:
+    """wrapt missing (a sitecustomize.py blocks it): the hook still activates the package when
+    torch's import begins, install() warns once, torch is untouched, the program runs."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoWrapt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'wrapt':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _NoWrapt())\n"
+    )
+    result = venv.run(CHECK, env={"FAKEGRAD_PATCH": "1", "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert (out["installed"], out["grad"]) == (False, "fake")
+    assert out["state"]["activated_by"] == "pth" and out["state"]["error"] is None
+    assert result.stderr.count("FakeGradPatchWarning") == 1, result.stderr
+    assert "wrapt is not installed; not patching" in result.stderr
