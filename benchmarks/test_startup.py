@@ -1,4 +1,7 @@
-"""P6: interpreter start-up, package installed with FAKEGRAD_PATCH unset vs not installed.
+"""P6: interpreter start-up: package installed with FAKEGRAD_PATCH unset vs not installed, and
+(second row) FAKEGRAD_PATCH=1 vs unset in the installed venv, for a process that never imports
+torch (issue 13: the variable is often exported for a whole shell or job; until torch's import
+begins only the stdlib-only start-up module may load, goal <= +2 ms).
 
 Two throwaway venvs (``python -m venv --without-pip``) built from this interpreter, identical
 except for the package: both get one ``.pth`` line (named to sort first) that puts this
@@ -6,7 +9,8 @@ environment's site-packages on ``sys.path`` (so the packages fakegrad_patch depe
 importable, as in a real install);
 "installed" also gets what a wheel install puts into site-packages: the ``fakegrad_patch``
 package (a symlink to this checkout's) and the files hatch force-includes at the root, i.e. the
-start-up hook ``fakegrad_patch/_hooks/*`` (``fakegrad_patch.pth`` and the module it imports).
+start-up hook ``fakegrad_patch/_hooks/*`` (``fakegrad_patch.pth`` and the module it imports,
+byte-compiled as pip does).
 Each round is one ``python -c pass`` in a subprocess; the variants alternate block by block.
 
 Skips, saying why, while the start-up hook does not exist (it is owned by the activation work).
@@ -15,6 +19,7 @@ Skips, saying why, while the start-up hook does not exist (it is owned by the ac
 from __future__ import annotations
 
 import os
+import py_compile
 import shutil
 import subprocess
 import sys
@@ -62,6 +67,10 @@ def venvs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             (site / "fakegrad_patch").symlink_to(PACKAGE_DIR, target_is_directory=True)
             for hook in _hook_files():
                 shutil.copy2(hook, site / hook.name)
+                if hook.suffix == ".py":
+                    # pip byte-compiles what it installs; without this, a PYTHONDONTWRITEBYTECODE
+                    # environment would compile the hook module at every start (~2-3 ms).
+                    py_compile.compile(str(site / hook.name), doraise=True)
         out[name] = _python(venv)
     return out
 
@@ -106,6 +115,36 @@ def test_p6_interpreter_startup(benchmark, venvs: dict[str, Path], slot: _suppor
         case="P6",
         device="host",
         detail="python -c pass, FAKEGRAD_PATCH unset",
+        goal=None,
+        target=start,
+        rounds=10,
+        extra=extra,
+    )
+
+
+@pytest.mark.paired("unset", "set")
+def test_p6_interpreter_startup_variable_set(
+    benchmark, venvs: dict[str, Path], slot: _support.Slot
+) -> None:
+    python = venvs["installed"]
+    env = _env(FAKEGRAD_PATCH="1") if slot.variant == "set" else _env()
+    extra = {}
+    if slot.variant == "set":
+        # What the variable costs in modules: only the hook module, nothing of the package, wrapt
+        # or torch (they load when torch's import begins).
+        extra_modules = sorted(_modules(python, FAKEGRAD_PATCH="1") - _modules(python))
+        assert extra_modules == ["_fakegrad_patch_startup"], extra_modules
+        extra = {"extra_modules_at_startup": extra_modules}
+
+    def start() -> None:
+        subprocess.run([str(python), "-c", "pass"], env=env, check=True)
+
+    _support.record(
+        benchmark,
+        slot,
+        case="P6",
+        device="host",
+        detail="python -c pass, FAKEGRAD_PATCH=1 vs unset (torch never imported)",
         goal=None,
         target=start,
         rounds=10,

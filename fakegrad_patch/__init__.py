@@ -12,7 +12,69 @@ from typing import TYPE_CHECKING, Any
 
 from ._config import ON_MISSING_VALUES, OnMissing, Settings
 from ._errors import FakeGradError, FakeGradPatchWarning
-from ._patch import install, is_installed, status, uninstall
+
+
+def _without_wrapt(missing: ModuleNotFoundError) -> None:
+    """Define install()/uninstall()/is_installed()/status() for a process without wrapt: install
+    warns once (FakeGradPatchWarning) and traces why, torch is left untouched, status() says so."""
+    import sys
+    import threading
+
+    reason = "wrapt is not installed; not patching"
+    lock = threading.Lock()
+    wanted = [False, False]  # [install() called and not uninstalled, warned already]
+
+    def install() -> bool:
+        with lock:
+            wanted[0] = True
+            first, wanted[1] = not wanted[1], True
+        if first:
+            import warnings
+
+            from . import trace
+
+            torch_mod = sys.modules.get("torch")
+            version = str(getattr(torch_mod, "__version__", "not imported"))
+            warnings.warn(
+                f"fakegrad_patch: {reason} ({missing}). Upstream behaviour is unchanged (fake "
+                "gradients can still reach real leaves); pip install wrapt.",
+                FakeGradPatchWarning,
+                stacklevel=3,
+            )
+            if trace.enabled(trace.WARNING):
+                trace.emit("patch_skipped", trace.WARNING, torch=version, reason=reason)
+        return False
+
+    def uninstall() -> bool:
+        with lock:
+            wanted[0] = False
+        return False
+
+    def is_installed() -> bool:
+        return False
+
+    def status() -> dict[str, Any]:
+        return {
+            "wanted": wanted[0],
+            "installed": False,
+            "waiting_for_torch": False,
+            "skipped_reason": reason,
+            "armed_leaves": 0,
+            "defects": {},
+        }
+
+    globals().update(install=install, uninstall=uninstall, is_installed=is_installed, status=status)
+
+
+try:
+    from ._patch import install, is_installed, status, uninstall
+except ModuleNotFoundError as _exc:
+    # wrapt (a required dependency) is missing: the package must still import, so that
+    # ``doctor`` can say so and ``python -m fakegrad_patch trace`` works. Nothing is patched.
+    if _exc.name != "wrapt":
+        raise
+    _without_wrapt(_exc)
+
 
 if TYPE_CHECKING:
     import torch

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal, cast
 
@@ -34,32 +35,50 @@ class Settings:
     on_missing: OnMissing = DEFAULT_ON_MISSING
 
 
+#: How many characters of a bad value a message echoes (environment values can be huge).
+ECHO_LIMIT = 60
+
+
+def _shown(value: object) -> str:
+    """``value`` for a message: escaped (``ascii``), cut to :data:`ECHO_LIMIT` characters."""
+    if isinstance(value, str) and len(value) > ECHO_LIMIT:
+        return f"{value[:ECHO_LIMIT]!a}... ({len(value)} characters)"
+    return ascii(value)
+
+
 def validate_on_missing(value: object) -> OnMissing:
     """Return ``value`` as a policy or raise ValueError naming the valid ones."""
     if not isinstance(value, str) or value.strip().lower() not in ON_MISSING_VALUES:
         raise ValueError(
-            f"invalid on_missing policy {value!r}: expected one of "
+            f"invalid on_missing policy {_shown(value)}: expected one of "
             + ", ".join(repr(v) for v in ON_MISSING_VALUES)
         )
     return cast(OnMissing, value.strip().lower())
 
 
-def settings_from_env(environ: dict[str, str] | None = None) -> Settings:
-    """Settings from the environment. An invalid value warns (never raises: this runs at start-up)
-    and falls back to the default."""
+def _from_env(environ: Mapping[str, str] | None = None) -> tuple[Settings, str | None]:
+    """Settings from the environment, and the warning to give when a value is invalid."""
     env = os.environ if environ is None else environ
     raw = env.get(ENV_ON_MISSING, "").strip()
     if not raw:
-        return Settings()
+        return Settings(), None
     try:
-        return Settings(on_missing=validate_on_missing(raw))
+        return Settings(on_missing=validate_on_missing(raw)), None
     except ValueError as exc:
-        warnings.warn(
-            f"fakegrad_patch: {ENV_ON_MISSING}: {exc}; using {DEFAULT_ON_MISSING!r}",
-            FakeGradPatchWarning,
-            stacklevel=2,
-        )
-        return Settings()
+        return Settings(), f"fakegrad_patch: {ENV_ON_MISSING}: {exc}; using {DEFAULT_ON_MISSING!r}"
+
+
+def _warn(problem: str | None) -> None:
+    if problem is not None:
+        warnings.warn(problem, FakeGradPatchWarning, stacklevel=3)
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from the environment. An invalid value warns (never raises unless warnings are
+    errors) and falls back to the default."""
+    settings, problem = _from_env(environ)
+    _warn(problem)
+    return settings
 
 
 _lock = threading.Lock()
@@ -67,26 +86,38 @@ _current: Settings | None = None
 
 
 def current() -> Settings:
-    """The settings in force (read from the environment on first use)."""
+    """The settings in force (read from the environment on first use).
+
+    The fallback is stored *before* warning about an invalid value: with warnings turned into
+    errors (``-W error``) the first read raises, every later read returns the fallback instead of
+    raising again (inside a backward pass, say)."""
     global _current
     settings = _current
+    problem = None
     if settings is None:
         with _lock:
             if _current is None:
-                _current = settings_from_env()
+                _current, problem = _from_env()
             settings = _current
+    _warn(problem)
     return settings
 
 
 def update(*, on_missing: object = None) -> Settings:
     """Change settings; return the previous ones. Arguments left as ``None`` are unchanged."""
     global _current
-    with _lock:
-        previous = _current if _current is not None else settings_from_env()
-        new = previous
-        if on_missing is not None:
-            new = replace(new, on_missing=validate_on_missing(on_missing))
-        _current = new
+    problem = None
+    try:
+        with _lock:
+            if _current is None:
+                _current, problem = _from_env()
+            previous = _current
+            new = previous
+            if on_missing is not None:
+                new = replace(new, on_missing=validate_on_missing(on_missing))
+            _current = new
+    finally:
+        _warn(problem)
     return previous
 
 

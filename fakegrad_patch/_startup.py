@@ -5,8 +5,9 @@ installs at the root of site-packages (see that module for why). This module fin
 
 * installed (``pip install .`` / ``-e .``): the top-level module ``_fakegrad_patch_startup``,
   already imported when the hook ran at start-up, so its ``state`` says what happened;
-* reached through PYTHONPATH (source tree): loaded from ``_hooks/`` under the same name, so the
-  sitecustomize route and the ``.pth`` route share one ``state`` and one guard.
+* otherwise (not run at start-up; or reached through PYTHONPATH): loaded from ``_hooks/`` under
+  the same name, so the sitecustomize route and the ``.pth`` route share one ``state`` and one
+  guard, and the hook always matches this package's version.
 
 Standard library only. ``activate`` is what the sitecustomize line calls.
 """
@@ -25,17 +26,18 @@ HOOK_SOURCE = os.path.join(
 
 
 def hook_module() -> ModuleType:
-    """The start-up hook module (imported if needed; never runs :func:`init`)."""
+    """The start-up hook module (imported if needed; never runs :func:`init`).
+
+    The one the start-up ran, if any (its ``state`` is what happened); else this package's own
+    copy, so that the hook logic always matches the package version even when another version
+    of fakegrad-patch is installed in site-packages and this one is a checkout on PYTHONPATH;
+    else (a package without ``_hooks/``) the top-level module."""
     module = sys.modules.get(HOOK_MODULE)
     if module is not None:
         return module
-    try:
-        return importlib.import_module(HOOK_MODULE)
-    except ImportError:
-        pass
     spec = importlib.util.spec_from_file_location(HOOK_MODULE, HOOK_SOURCE)
-    if spec is None or spec.loader is None:  # pragma: no cover - the file ships with the package
-        raise ImportError(f"fakegrad_patch start-up hook module not found at {HOOK_SOURCE}")
+    if spec is None or spec.loader is None or not os.path.isfile(HOOK_SOURCE):
+        return importlib.import_module(HOOK_MODULE)
     module = importlib.util.module_from_spec(spec)
     sys.modules[HOOK_MODULE] = module
     try:

@@ -164,12 +164,20 @@ def test_python_S_never_processes_the_hook(venv: Venv) -> None:
 
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
-def test_on_installs_lazily_without_importing_torch(venv: Venv, value: str) -> None:
+def test_on_arms_the_hook_and_imports_nothing_else_until_torch(venv: Venv, value: str) -> None:
+    """Until torch's import begins only the stdlib-only hook module is loaded (issue 13: a
+    process that never imports torch must not pay for wrapt or the package); then it activates."""
     result = probe(venv, {"FAKEGRAD_PATCH": value})
-    assert "torch" not in result["loaded"]
-    assert "fakegrad_patch" in result["loaded"]
-    assert result["state"]["activated_by"] == "pth"
+    assert result["loaded"] == ["_fakegrad_patch_startup"]
+    assert result["state"]["waiting_for_torch"] is True
+    assert result["state"]["activated_by"] is None
     assert result["stderr"] == ""
+    after = venv.run("import torch\n" + PROBE, env={"FAKEGRAD_PATCH": value})
+    state = json.loads(after.stdout.strip().splitlines()[-1])
+    assert "fakegrad_patch" in state["loaded"] and "wrapt" in state["loaded"]
+    assert state["state"]["activated_by"] == "pth"
+    assert state["state"]["waiting_for_torch"] is False
+    assert after.stderr == ""
 
 
 def test_on_patches_once_torch_is_imported_and_bad_policy_only_warns(venv: Venv) -> None:
@@ -232,8 +240,10 @@ def test_import_failure_at_start_up_prints_one_line_and_continues(
     broken = tmp_path / "wrapt"
     broken.mkdir()
     (broken / "__init__.py").write_text("raise ImportError('simulated broken wrapt')\n")
+    # The package (and wrapt) are imported when torch's import begins.
     result = venv.run(
-        "print('program ran')", env={"FAKEGRAD_PATCH": "1", "PYTHONPATH": str(tmp_path)}
+        "import torch\nprint('program ran')",
+        env={"FAKEGRAD_PATCH": "1", "PYTHONPATH": str(tmp_path)},
     )
     assert result.returncode == 0
     assert result.stdout.strip() == "program ran"
@@ -251,7 +261,11 @@ def test_pep829_start_entry_point(venv: Venv) -> None:
     assert json.loads(off.stdout)["loaded"] == ["_fakegrad_patch_startup"]
     on = venv.run(code, env={"FAKEGRAD_PATCH": "1"})
     state = json.loads(on.stdout)
-    assert "fakegrad_patch" in state["loaded"] and "torch" not in state["loaded"]
+    assert state["loaded"] == ["_fakegrad_patch_startup"]
+    assert state["state"]["waiting_for_torch"] is True
+    on = venv.run(code + "import torch\n" + PROBE, env={"FAKEGRAD_PATCH": "1"})
+    state = json.loads(on.stdout.splitlines()[-1])
+    assert "fakegrad_patch" in state["loaded"]
     assert state["state"]["activated_by"] == "pth"
     assert callable(pkgutil.resolve_name("fakegrad_patch._startup:hook_module"))
 

@@ -12,9 +12,18 @@ already loaded by ``site``). ``fakegrad_patch._startup`` gives the package acces
 The ``.pth`` line checks the variable itself before importing even this module, so with the
 variable unset, empty or off an interpreter start costs reading one short ``.pth`` line.
 
+With the variable on, nothing but this module is loaded until torch's import begins: the hook
+arms a tiny ``sys.meta_path`` finder (:class:`TorchImportHook`) that, on ``find_spec("torch")``,
+removes itself, imports ``fakegrad_patch`` (which registers wrapt's post-import hook for torch) and
+resolves torch through the meta path as it is then, so wrapt's finder wraps torch's loader and
+the patch applies when torch has finished importing. ``FAKEGRAD_PATCH=1`` is often exported for a
+whole shell or job: a process that never imports torch must not pay for wrapt (which imports
+asyncio and importlib.metadata) or the package.
+
 Guarantees (docs/activation.md): values are parsed strictly; anything unknown prints one line on
-stderr and activates nothing; no exception leaves :func:`init`; a ``.pth`` seen twice (or the
-variable plus an explicit ``import fakegrad_patch``) applies the patch once.
+stderr and activates nothing; an invalid ``FAKEGRAD_ON_MISSING`` is reported at start; no
+exception leaves :func:`init`; a ``.pth`` seen twice (or the variable plus an explicit ``import
+fakegrad_patch``) applies the patch once; nothing is ever written to stdout.
 """
 
 import os
@@ -45,19 +54,33 @@ START_ENTRY = f"{TOPLEVEL_MODULE}:init"
 #: Marker ending the sitecustomize line, so ``--append`` can find (and upgrade) it.
 SITECUSTOMIZE_MARKER = "# fakegrad_patch start-up hook"
 
+#: ``FAKEGRAD_ON_MISSING`` and its valid values, duplicated from ``fakegrad_patch._config`` (this
+#: module may not import the package); tests/test_startup_lazy.py pins the two to each other.
+ENV_ON_MISSING = "FAKEGRAD_ON_MISSING"
+ON_MISSING_VALUES = ("drop", "zeros", "error", "keep")
+#: The module whose import triggers the activation.
+TRIGGER = "torch"
+#: How many characters of a bad value a message echoes (the rest is counted, not shown).
+ECHO_LIMIT = 60
+
 _PREFIX = "fakegrad_patch: "
 
 #: What happened in this process (read by ``python -m fakegrad_patch doctor`` and the tests).
 #: ``handled``: the hook ran once already (a second ``.pth`` or call is a no-op);
 #: ``value``: the raw variable seen; ``deferred``: waiting for the end of ``site``;
+#: ``waiting_for_torch``: the import hook is armed (nothing imported yet);
 #: ``activated_by``: "pth" / "sitecustomize" once ``fakegrad_patch`` was imported and installed;
-#: ``error``: the one line printed when activation failed.
+#: ``error``: the one line printed when activation failed (the patch is not active);
+#: ``warning``: the one line printed when activation succeeded with a fallback (``-W error``
+#: turned the invalid-``FAKEGRAD_ON_MISSING`` warning into an exception; ``drop`` is in force).
 state: dict = {
     "handled": False,
     "value": None,
     "deferred": False,
+    "waiting_for_torch": False,
     "activated_by": None,
     "error": None,
+    "warning": None,
 }
 
 
@@ -71,10 +94,18 @@ def parse(raw: "str | None") -> "bool | None":
     return None
 
 
+def shown(raw: str, limit: int = ECHO_LIMIT) -> str:
+    """``raw`` as a message echoes it: ``ascii()`` (control characters and anything a terminal
+    could interpret are escaped), at most ``limit`` characters of it, the length if cut."""
+    if len(raw) <= limit:
+        return ascii(raw)
+    return f"{raw[:limit]!a}... ({len(raw)} characters)"
+
+
 def invalid_message(raw: str) -> str:
     """The one stderr line for a value that is neither on nor off."""
     return (
-        f"{_PREFIX}{ENV}={raw!r} not understood (expected one of "
+        f"{_PREFIX}{ENV}={shown(raw)} not understood (expected one of "
         f"{'/'.join(ON_VALUES)} or {'/'.join(v for v in OFF_VALUES if v)}); not activated"
     )
 
@@ -84,22 +115,54 @@ def sitecustomize_line() -> str:
     (package reached through PYTHONPATH). Same checks as the ``.pth`` line, with the parsing
     inline because this route imports ``fakegrad_patch._startup`` (hence the package, which
     installs the patch) and must only do so for an "on" value. Printed and appended by
-    ``python -m fakegrad_patch sitecustomize [--append [PATH]]``."""
+    ``python -m fakegrad_patch sitecustomize [--append [PATH]]``. Like :func:`_say`, it never
+    writes to stdout (``print(file=None)`` would, with stderr closed) and echoes a bounded,
+    escaped value."""
     return (
         f'import os, sys; _fgp = os.environ.get("{ENV}", "").strip().lower(); '
         f"_fgp in {OFF_VALUES!r} or ("
         f'__import__("fakegrad_patch._startup")._startup.activate("sitecustomize") '
         f"if _fgp in {ON_VALUES!r} else "
-        f'print("{_PREFIX}{ENV}=%r not understood; not activated" % _fgp, file=sys.stderr))  '
+        f'(print("{_PREFIX}{ENV}=%s%s not understood; not activated" % '
+        f'(ascii(_fgp[:{ECHO_LIMIT}]), "..." * (len(_fgp) > {ECHO_LIMIT})), file=sys.stderr) '
+        "if sys.stderr else None))  "
         f"{SITECUSTOMIZE_MARKER}"
     )
 
 
+def stderr_usable() -> bool:
+    """True when ``sys.stderr`` is a stream we may write to without landing in stdout.
+
+    With fd 2 closed (``2>&-``) Python sets ``sys.stderr`` to None, and ``print(file=None)``
+    writes to *stdout*, corrupting the program's output. A stream whose descriptor is closed, or
+    is stdout's own descriptor (fd 2 reused by something that is not the original stderr), is
+    refused too; ``2>&1`` (two descriptors, one file) is the user's choice and allowed.
+    """
+    stream = sys.stderr
+    if stream is None or stream is sys.stdout:
+        return False
+    try:
+        fd = stream.fileno()
+    except Exception:
+        return True  # not backed by a descriptor (a host's StringIO, say): it is not stdout
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    try:
+        out = sys.stdout.fileno() if sys.stdout is not None else 1
+    except Exception:
+        out = 1
+    return fd != out
+
+
 def _say(message: str) -> None:
-    """One line on stderr, never raising (stderr may be closed or None at start-up)."""
+    """One line on stderr, never raising, never on stdout (nothing, when stderr is unusable)."""
     # Not contextlib.suppress: importing contextlib would cost every start-up.
-    try:  # noqa: SIM105
-        print(message, file=sys.stderr, flush=True)
+    try:
+        if stderr_usable():
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
     except Exception:
         pass
 
@@ -130,7 +193,55 @@ def _init() -> None:
     if _inside_site_main() and _defer_to_end_of_site():
         state["deferred"] = True
         return
-    activate("pth")
+    _arm()
+
+
+def on_missing_invalid() -> bool:
+    """True when ``FAKEGRAD_ON_MISSING`` is set to something ``fakegrad_patch._config`` rejects
+    (same normalisation: surrounding blanks, case)."""
+    raw = (os.environ.get(ENV_ON_MISSING) or "").strip().lower()
+    return bool(raw) and raw not in ON_MISSING_VALUES
+
+
+def _arm() -> None:
+    """Activate when torch's import begins; at once when torch is already imported, or when the
+    settings are invalid (so that the warning comes at start, where the user looks for it)."""
+    if TRIGGER in sys.modules or on_missing_invalid():
+        activate("pth")
+        return
+    state["waiting_for_torch"] = True
+    sys.meta_path.insert(0, TorchImportHook())  # type: ignore[arg-type]  # duck-typed finder
+
+
+class TorchImportHook:
+    """A ``sys.meta_path`` finder that acts once, when ``import torch`` (in any form: ``import
+    torch.nn``, ``importlib.import_module``, in any thread) starts looking for torch.
+
+    It removes itself, runs :func:`activate` (``import fakegrad_patch``, whose ``install()``
+    registers wrapt's post-import hook for torch and puts wrapt's finder on the meta path), then
+    resolves torch through the meta path as it is now: wrapt's finder wraps torch's loader, so
+    the patch applies when torch has finished importing, exactly as with ``import fakegrad_patch``
+    before ``import torch``. If activation fails, torch is found as it would have been.
+    ``find_spec`` runs under the import lock, so two threads cannot both activate.
+    """
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+        if name != TRIGGER:
+            return None
+        try:
+            sys.meta_path.remove(self)  # type: ignore[arg-type]
+        except ValueError:
+            return None  # already fired (another finder asked again)
+        state["waiting_for_torch"] = False
+        activate("pth")
+        for finder in list(sys.meta_path):
+            find_spec = getattr(finder, "find_spec", None)
+            if find_spec is None:
+                continue
+            spec = find_spec(name, path, target)
+            if spec is not None:
+                return spec
+        return None
 
 
 def _inside_site_main() -> bool:
@@ -184,18 +295,19 @@ def _defer_to_end_of_site() -> bool:
 def _activate_deferred() -> None:
     if state["deferred"]:
         state["deferred"] = False
-        activate("pth")
+        _arm()
 
 
 def activate(origin: str) -> bool:
-    """Import ``fakegrad_patch`` (which installs the patch, lazily: torch is not imported here)
-    and read its settings so that an invalid ``FAKEGRAD_ON_MISSING`` is reported at start.
-    Returns True on success; on any failure prints one line on stderr and returns False."""
+    """Import ``fakegrad_patch`` (which installs the patch, lazily if torch is still importing)
+    and read its settings so that an invalid ``FAKEGRAD_ON_MISSING`` is reported now. Returns
+    True when the package installed itself; on failure prints one line on stderr and returns
+    False. What is printed always agrees with the state: a settings warning turned into an
+    exception (``-W error``) is reported as such, the patch staying installed with ``drop``."""
     try:
         import fakegrad_patch
 
         fakegrad_patch.install()
-        fakegrad_patch.settings()
     except Exception as exc:
         state["error"] = (
             f"{_PREFIX}not activated ({origin}): {type(exc).__name__}: {exc}; "
@@ -206,4 +318,9 @@ def activate(origin: str) -> bool:
     state["handled"] = True
     if state["activated_by"] is None:
         state["activated_by"] = origin
+    try:
+        fakegrad_patch.settings()
+    except Exception as exc:
+        state["warning"] = f"{exc} ({type(exc).__name__}; the patch is active)"
+        _say(state["warning"])
     return True
