@@ -652,7 +652,23 @@ def emit(event: str, level: int, **fields: Any) -> None:
         method = _methods.get(level)
         if method is None:
             method = _method_for(level)
-        method(event, **{_FIELDS: fields})
+        method(event, _fakegrad_fields=fields)
+    except Exception as exc:
+        _warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
+
+
+def emit_fields(event: str, level: int, fields: dict[str, Any]) -> None:
+    """:func:`emit` for hot paths that already hold the fields in a dict: saves building the
+    keyword dict of the call (about a microsecond for a dozen fields). ``fields`` is read, never
+    kept or changed. Same rules: plain data only, never raises.
+    """
+    if level < _threshold:
+        return
+    try:
+        method = _methods.get(level)
+        if method is None:
+            method = _method_for(level)
+        method(event, _fakegrad_fields=fields)
     except Exception as exc:
         _warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
 

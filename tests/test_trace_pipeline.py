@@ -108,3 +108,25 @@ def test_lines_no_serializer_takes_as_they_are_are_still_valid_json(
     first, second = (json.loads(line) for line in path.read_bytes().splitlines())
     assert first["name"] == "bad\udc80name"
     assert second["leaf_id"] == 2**70
+
+
+def test_emit_fields_records_what_emit_records_and_keeps_nothing_of_the_dict(
+    tmp_path: Path, restore_trace: None
+) -> None:
+    path = tmp_path / "t.jsonl"
+    trace.configure_trace(path=path, level="info")
+    trace.clear()
+    fields = {"leaf_id": 1, "shape": [2, 3], "name": "w", "value": object()}
+    trace.emit("fake_grad_set", trace.INFO, **fields)
+    trace.emit_fields("fake_grad_set", trace.INFO, fields)
+    trace.emit_fields("leaf_armed", trace.DEBUG, fields)  # filtered: nothing
+    assert fields["shape"] == [2, 3] and len(fields) == 4  # read, not changed
+    fields["shape"].append(4)  # not kept: the recorded events do not change
+    via_kwargs, via_dict = trace.events()
+    assert {k: v for k, v in via_kwargs.items() if k != "timestamp"} == {
+        k: v for k, v in via_dict.items() if k != "timestamp"
+    }
+    assert via_dict["shape"] == [2, 3] and via_dict["value"] == "<object>"
+    first, second = (json.loads(line) for line in path.read_bytes().splitlines())
+    assert first.pop("timestamp") and second.pop("timestamp")
+    assert first == second
