@@ -455,8 +455,10 @@ def _well_typed(record: dict[str, Any]) -> bool:
 
 
 def _chunks_of(stream: BinaryIO | TextIO) -> Iterator[bytes]:
+    # read1: what is there (a pipe or terminal is summarized as it comes), at most _CHUNK
+    read = getattr(stream, "read1", stream.read)
     while True:
-        chunk = stream.read(_CHUNK)
+        chunk = read(_CHUNK)
         if not chunk:
             return
         yield chunk if isinstance(chunk, bytes) else chunk.encode("utf-8", "surrogatepass")
