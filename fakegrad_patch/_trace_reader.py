@@ -6,20 +6,39 @@ one row per leaf, then what the patch itself did per process. Lines that are not
 an ``event`` (broken) or that this reader does not know (unknown event or newer schema) are
 counted and reported, never fatal; ``--strict`` turns them into exit code 1 (for tests and CI).
 
-Standard library only, so it runs anywhere a trace file was copied to (no torch needed).
+Standard library only and self-contained (this one file runs anywhere a trace file was copied
+to: ``python _trace_reader.py trace.jsonl``; no torch, no structlog, no wrapt). Built for big
+traces: input is read in bounded chunks, never a whole line first (lines longer than
+``MAX_LINE_BYTES`` are counted as broken), and memory grows with the leaves and processes shown,
+not with the number of lines (backward passes are counted, not collected; every other tally is
+capped at ``_MAX_DISTINCT`` distinct keys). Whatever comes from the file is escaped before it is
+printed for a person, so a trace cannot send control sequences to the terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
-from .trace import SCHEMA_VERSION
+#: The newest schema this reader knows (fakegrad_patch.trace.SCHEMA_VERSION; a test keeps them
+#: equal). Not imported: this module must not import anything of ours.
+SCHEMA_VERSION = 1
+#: Lines longer than this are counted as broken without being kept in memory.
+MAX_LINE_BYTES = 1024 * 1024
+_CHUNK = 64 * 1024
+#: Distinct keys kept per tally (unknown event kinds, error messages...); the rest is summed
+#: under ``_OTHER``.
+_MAX_DISTINCT = 100
+_OTHER = "(other)"
+#: Exit code when standard output was closed early (``| head``): 128 + SIGPIPE, quietly.
+EXIT_BROKEN_PIPE = 141
 
 #: Every event kind this reader understands (docs/trace-schema.md).
 KNOWN_EVENTS = frozenset(
@@ -61,7 +80,41 @@ _LEAF_PROBLEMS = {
 }
 
 
-@dataclass
+def _tally(counter: Counter[str], key: str, n: int = 1) -> None:
+    """``counter[key] += n`` for at most ``_MAX_DISTINCT`` distinct keys; the rest under
+    ``_OTHER`` (a corrupt trace cannot make the summary grow with its lines)."""
+    if key in counter or len(counter) < _MAX_DISTINCT:
+        counter[key] += n
+    else:
+        counter[_OTHER] += n
+
+
+class _Passes:
+    """Counts backward passes without keeping their ids: graph task ids only grow within a
+    process, so a pass is new when its id is above every id seen (exact for one trace read in
+    order; passes running concurrently in threads can be undercounted). Ids that are not ints
+    are counted when they change."""
+
+    __slots__ = ("count", "last")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last: Any = None
+
+    def see(self, backward_id: Any) -> bool:
+        last = self.last
+        if last is None or (
+            backward_id > last
+            if type(backward_id) is int and type(last) is int
+            else backward_id != last
+        ):
+            self.count += 1
+            self.last = backward_id
+            return True
+        return False
+
+
+@dataclass(slots=True)
 class Leaf:
     """What happened to one real leaf (key: pid + leaf_id) across the trace."""
 
@@ -79,11 +132,12 @@ class Leaf:
     zero_copy: int = 0
     bytes: int = 0
     duration_us: float = 0.0
-    backward_ids: set[Any] = field(default_factory=set)
+    passes: _Passes = field(default_factory=_Passes)
 
     def label(self) -> str:
-        described = f"{self.shape} {self.dtype} {self.device}"
-        return f"{self.name!r} {described}" if self.name else described
+        """For people: every part from the file escaped (the name as a repr)."""
+        described = f"{self.shape} {_h(self.dtype)} {_h(self.device)}"
+        return f"{_h(repr(self.name))} {described}" if self.name else described
 
     def problem_counts(self) -> dict[str, int]:
         counts = {kind: self.actions.get(kind, 0) for kind in ("error", "drop", "keep")}
@@ -106,12 +160,12 @@ class Leaf:
             "zero_copy": self.zero_copy,
             "bytes": self.bytes,
             "duration_us": round(self.duration_us, 1),
-            "backward_passes": len(self.backward_ids),
+            "backward_passes": self.passes.count,
             "problems": self.problem_counts(),
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class Process:
     """What the patch did in one process."""
 
@@ -119,7 +173,7 @@ class Process:
     torch: str | None = None
     installed: int = 0
     uninstalled: int = 0
-    skipped: list[str] = field(default_factory=list)
+    skipped: Counter[str] = field(default_factory=Counter)
     defects: dict[str, Any] = field(default_factory=dict)
     d2_repairs: int = 0
     grad_copy_repairs: int = 0
@@ -129,6 +183,7 @@ class Process:
     materialize_missing: Counter[str] = field(default_factory=Counter)
     internal_errors: Counter[str] = field(default_factory=Counter)
     sink_failures: Counter[str] = field(default_factory=Counter)
+    passes: _Passes = field(default_factory=_Passes)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -136,7 +191,7 @@ class Process:
             "torch": self.torch,
             "installed": self.installed,
             "uninstalled": self.uninstalled,
-            "skipped": self.skipped,
+            "skipped": list(self.skipped.elements()),
             "defects": self.defects,
             "d2_repairs": self.d2_repairs,
             "grad_copy_repairs": self.grad_copy_repairs,
@@ -162,33 +217,40 @@ class Summary:
     unknown_events: Counter[str] = field(default_factory=Counter)
     leaves: dict[tuple[Any, Any], Leaf] = field(default_factory=dict)
     processes: dict[Any, Process] = field(default_factory=dict)
-    backward_ids: set[tuple[Any, Any]] = field(default_factory=set)
+    too_long: int = 0
 
     # -- ingest ---------------------------------------------------------------------------------
 
-    def add_line(self, line: str, where: str) -> None:
+    def add_broken(self, where: str) -> None:
+        self.broken += 1
+        if len(self.broken_examples) < _MAX_EXAMPLES:
+            self.broken_examples.append(where)
+
+    def add_line(self, line: str | bytes, where: str) -> None:
         text = line.strip()
         if not text:
             return
         try:
             record = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError, MemoryError):  # deep nesting: a broken line too
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("event"), str):
-            self.broken += 1
-            if len(self.broken_examples) < _MAX_EXAMPLES:
-                self.broken_examples.append(where)
+            self.add_broken(where)
             return
         event = record["event"]
         schema = record.get("schema")
-        if event not in KNOWN_EVENTS or not isinstance(schema, int) or schema > SCHEMA_VERSION:
+        if (
+            event not in KNOWN_EVENTS
+            or type(schema) is not int
+            or schema > SCHEMA_VERSION
+            or schema < 1
+        ):
             self.unknown += 1
-            self.unknown_events[f"{event} (schema {schema})"] += 1
+            schema_text = schema if type(schema) in (int, str, float, bool) else "?"
+            _tally(self.unknown_events, f"{event[:200]} (schema {schema_text!s:.20})")
             return
         if not _well_typed(record):  # right event, wrong field types
-            self.broken += 1
-            if len(self.broken_examples) < _MAX_EXAMPLES:
-                self.broken_examples.append(where)
+            self.add_broken(where)
             return
         self.add(record)
 
@@ -222,26 +284,27 @@ class Summary:
         elif event.startswith("fake_grad_"):
             leaf = self._leaf(record)
             leaf.arrived += 1
-            leaf.actions[str(record.get("action") or event.removeprefix("fake_grad_"))] += 1
+            leaf.actions[event.removeprefix("fake_grad_")] += 1
             leaf.zeros += record.get("source") == "zeros"
             leaf.zero_copy += bool(record.get("zero_copy"))
             leaf.bytes += int(record.get("bytes") or 0)
             leaf.duration_us += float(record.get("duration_us") or 0.0)
             backward_id = record.get("backward_id")
             if backward_id is not None:
-                leaf.backward_ids.add(backward_id)
-                self.backward_ids.add((pid, backward_id))
+                leaf.passes.see(backward_id)
+                proc.passes.see(backward_id)
         elif event == "patch_installed":
             proc.installed += 1
             proc.torch = record.get("torch", proc.torch)
-            proc.defects.update(record.get("defects") or {})
+            for defect, present in (record.get("defects") or {}).items():
+                self._defect(proc, defect, present)
         elif event == "patch_skipped":
             proc.torch = record.get("torch", proc.torch)
-            proc.skipped.append(str(record.get("reason")))
+            _tally(proc.skipped, str(record.get("reason")))
         elif event == "patch_uninstalled":
             proc.uninstalled += 1
         elif event == "defect_probed":
-            proc.defects[str(record.get("defect"))] = record.get("present")
+            self._defect(proc, str(record.get("defect")), record.get("present"))
         elif event == "d2_repaired":
             proc.d2_repairs += 1
         elif event == "grad_copy_repaired":
@@ -252,11 +315,16 @@ class Summary:
             proc.materialize_calls += 1
             missing = int(record.get("missing") or 0)
             if missing:
-                proc.materialize_missing[str(record.get("policy"))] += missing
+                _tally(proc.materialize_missing, str(record.get("policy")), missing)
         elif event == "internal_error":
-            proc.internal_errors[f"{record.get('where')}: {record.get('error')}"] += 1
+            _tally(proc.internal_errors, f"{record.get('where')}: {record.get('error')}")
         elif event == "trace_sink_failed":
-            proc.sink_failures[f"{record.get('path')}: {record.get('error')}"] += 1
+            _tally(proc.sink_failures, f"{record.get('path')}: {record.get('error')}")
+
+    @staticmethod
+    def _defect(proc: Process, defect: str, present: Any) -> None:
+        if defect in proc.defects or len(proc.defects) < _MAX_DISTINCT:
+            proc.defects[defect] = present
 
     # -- results --------------------------------------------------------------------------------
 
@@ -265,8 +333,8 @@ class Summary:
         out: list[dict[str, Any]] = []
         for pid, proc in self.processes.items():
             out += [
-                {"kind": "patch_skipped", "pid": pid, "count": 1, "detail": reason}
-                for reason in proc.skipped
+                {"kind": "patch_skipped", "pid": pid, "count": n, "detail": reason}
+                for reason, n in proc.skipped.items()
             ]
             out += [
                 {"kind": "internal_error", "pid": pid, "count": n, "detail": detail}
@@ -318,12 +386,13 @@ class Summary:
             "events": self.events,
             "by_event": dict(self.by_event),
             "processes": len(self.processes),
-            "backward_passes": len(self.backward_ids),
+            "backward_passes": sum(proc.passes.count for proc in self.processes.values()),
             "problems": self.problems(),
             "leaves": [leaf.as_dict() for leaf in self.leaf_rows()],
             "armed_without_fake_grad": armed_only,
             "patch": [proc.as_dict() for proc in self.processes.values()],
             "broken_lines": self.broken,
+            "too_long_lines": self.too_long,
             "broken_examples": self.broken_examples,
             "unknown_lines": self.unknown,
             "unknown_events": dict(self.unknown_events),
@@ -331,7 +400,10 @@ class Summary:
 
 
 _NUMBER = (int, float)
-#: key -> accepted types (None is accepted everywhere: "not known")
+_SCALAR = (str, int, float, bool)
+#: key -> accepted types (None is accepted everywhere: "not known"). Everything the summary adds
+#: up, keys on or prints: a line with another type is broken, so nothing nested ever reaches
+#: ``str()`` (a deeply nested value would recurse) or the report.
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "pid": (int, str),
     "leaf_id": (int, str),
@@ -343,41 +415,131 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "defects": (dict,),
     "hooks_removed": (int,),
     "missing": (int,),
+    "name": (str,),
+    "dtype": (str,),
+    "device": (str,),
+    "torch": (str,),
+    "reason": (str,),
+    "where": (str,),
+    "error": (str,),
+    "path": (str,),
+    "policy": (str,),
+    "source": (str,),
+    "action": (str,),
+    "defect": (str,),
+    "present": (bool,),
 }
 
 
 def _well_typed(record: dict[str, Any]) -> bool:
-    """Fields the summary adds up or keys on have the documented types (checked before any
-    counting, so a bad line never leaves half its effect)."""
+    """Fields the summary adds up, keys on or prints have the documented types (checked before
+    any counting, so a bad line never leaves half its effect)."""
     for key, types in _FIELD_TYPES.items():
         value = record.get(key)
         if value is None:
             continue
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             return False
-    return True
+    shape = record.get("shape")
+    if shape is not None and not all(type(d) is int for d in shape):
+        return False
+    defects = record.get("defects")
+    if defects is not None and not all(
+        value is None or isinstance(value, _SCALAR) for value in defects.values()
+    ):
+        return False
+    event = record["event"]
+    action = record.get("action")
+    return not (  # the action is the event's: fake_grad_set says "set"
+        action is not None
+        and event.startswith("fake_grad_")
+        and action != event.removeprefix("fake_grad_")
+    )
 
 
-def _lines(path: str) -> Iterator[str]:
+def _chunks_of(stream: BinaryIO | TextIO) -> Iterator[bytes]:
+    # read1: what is there (a pipe or terminal is summarized as it comes), at most _CHUNK
+    read = getattr(stream, "read1", stream.read)
+    while True:
+        chunk = read(_CHUNK)
+        if not chunk:
+            return
+        yield chunk if isinstance(chunk, bytes) else chunk.encode("utf-8", "surrogatepass")
+
+
+def _lines(chunks: Iterable[bytes], max_line: int) -> Iterator[bytes | None]:
+    """Lines (bytes, newline removed) from chunks, never holding more than ``max_line`` bytes of
+    one line: a longer line is skipped to its end and given as ``None``."""
+    pending = bytearray()
+    skipping = False
+    for chunk in chunks:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            if end < 0:
+                if not skipping:
+                    pending += chunk[start:]
+                    if len(pending) > max_line:
+                        pending.clear()
+                        skipping = True
+                break
+            if skipping:
+                skipping = False
+                yield None
+            elif pending:
+                pending += chunk[start:end]
+                line = bytes(pending)
+                pending.clear()
+                yield None if len(line) > max_line else line
+            else:
+                yield None if end - start > max_line else chunk[start:end]
+            start = end + 1
+    if skipping:
+        yield None
+    elif pending:
+        yield bytes(pending)
+
+
+def _open(path: str) -> tuple[BinaryIO | TextIO, bool]:
+    """(stream, close it when done); ``-`` is stdin, read as bytes when it can be."""
     if path == "-":
-        yield from sys.stdin
-        return
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        yield from fh
+        stdin = sys.stdin
+        if stdin is None:
+            raise OSError(9, "standard input is closed")
+        return getattr(stdin, "buffer", stdin), False
+    return open(path, "rb"), True
 
 
-def summarize(paths: Iterable[str]) -> Summary:
+def summarize(paths: Iterable[str], max_line: int = MAX_LINE_BYTES) -> Summary:
     """Read every file (``-`` is stdin); unreadable files are recorded, not raised."""
     summary = Summary()
     for path in paths:
         try:
-            for number, line in enumerate(_lines(path), 1):
-                summary.add_line(line, f"{path}:{number}")
-        except OSError as exc:
-            summary.unreadable.append(f"{path}: {exc.strerror or exc}")
+            stream, owned = _open(path)
+            try:
+                for number, line in enumerate(_lines(_chunks_of(stream), max_line), 1):
+                    if line is None:
+                        summary.too_long += 1
+                        summary.add_broken(f"{path}:{number}")
+                    else:
+                        summary.add_line(line.decode("utf-8", "replace"), f"{path}:{number}")
+            finally:
+                if owned:
+                    stream.close()
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+            summary.unreadable.append(f"{path}: {getattr(exc, 'strerror', None) or exc}")
             continue
         summary.files.append(path)
     return summary
+
+
+def _h(value: Any) -> str:
+    """``value`` as text for a person: characters that are not printable (ESC, BEL, other
+    controls, bidi overrides) as ``\\xNN``/``\\uNNNN`` escapes."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 # -- text report ----------------------------------------------------------------------------------
@@ -410,8 +572,9 @@ def render_text(summary: Summary, out: TextIO) -> None:
     problems = data["problems"]
     w(f"\nPROBLEMS ({len(problems)})\n" if problems else "\nPROBLEMS: none\n")
     for p in problems:
-        where = f"{p['leaf']} (pid {p['pid']})" if "leaf" in p else f"pid {p['pid']}"
-        w(f"  ! {p['kind']} x{p['count']}: {where}: {p['detail']}\n")
+        pid = _h(p["pid"])
+        where = f"{p['leaf']} (pid {pid})" if "leaf" in p else f"pid {pid}"
+        w(f"  ! {p['kind']} x{p['count']}: {where}: {_h(p['detail'])}\n")
 
     rows = summary.leaf_rows()
     w(f"\nLEAVES ({len(rows)} received fake gradients)\n")
@@ -426,7 +589,7 @@ def render_text(summary: Summary, out: TextIO) -> None:
             counts = [leaf.arrived, *(leaf.actions.get(a, 0) for a in ACTIONS), leaf.zeros]
             mark = "!" if leaf.problem_counts() else " "
             w(
-                f"{mark} {leaf.pid!s:<8} {leaf.label():<36}"
+                f"{mark} {_h(leaf.pid):<8} {leaf.label():<36}"
                 + "".join(f" {c:>7}" for c in counts)
                 + f" {leaf.zero_copy:>9} {_human_bytes(leaf.bytes):>13}\n"
             )
@@ -440,14 +603,15 @@ def render_text(summary: Summary, out: TextIO) -> None:
         if proc.installed:
             state.append(f"installed x{proc.installed}")
         if proc.skipped:
-            state.append(f"SKIPPED x{len(proc.skipped)}")
+            state.append(f"SKIPPED x{sum(proc.skipped.values())}")
         if proc.uninstalled:
             state.append(f"uninstalled x{proc.uninstalled}")
         defects = ", ".join(
-            f"{k}={'present' if v else 'absent'}" for k, v in sorted(proc.defects.items())
+            f"{_h(k)}={'present' if v else 'absent'}" for k, v in sorted(proc.defects.items())
         )
         w(
-            f"  pid {proc.pid}: torch {proc.torch or '?'}; {', '.join(state) or 'no patch events'}"
+            f"  pid {_h(proc.pid)}: torch {_h(proc.torch or '?')}; "
+            f"{', '.join(state) or 'no patch events'}"
             f"; defects: {defects or 'none probed'}; D2 repairs: {proc.d2_repairs}\n"
         )
         extras = [
@@ -465,22 +629,27 @@ def render_text(summary: Summary, out: TextIO) -> None:
     if summary.broken or summary.unknown or summary.unreadable:
         w("\nTRACE INPUT ISSUES\n")
         for item in summary.unreadable:
-            w(f"  unreadable file: {item}\n")
+            w(f"  unreadable file: {_h(item)}\n")
         if summary.broken:
+            too_long = (
+                f", {summary.too_long} longer than {_human_bytes(MAX_LINE_BYTES)}"
+                if summary.too_long
+                else ""
+            )
             w(
-                f"  {_plural(summary.broken, 'broken line')} (not a JSON object with an 'event'):"
-                f" {', '.join(summary.broken_examples)}"
+                f"  {_plural(summary.broken, 'broken line')} (not a JSON object with an 'event'"
+                f"{too_long}): {_h(', '.join(summary.broken_examples))}"
                 + (" ..." if summary.broken > len(summary.broken_examples) else "")
                 + "\n"
             )
         if summary.unknown:
-            kinds = ", ".join(f"{k} x{n}" for k, n in summary.unknown_events.most_common())
+            kinds = ", ".join(f"{_h(k)} x{n}" for k, n in summary.unknown_events.most_common())
             w(f"  {_plural(summary.unknown, 'unknown line')}: {kinds}\n")
 
 
 def main(argv: list[str]) -> int:
     """Exit codes: 0 normally; 1 with ``--strict`` when some line was broken or unknown; 2 when a
-    file could not be read."""
+    file could not be read; 141 (quietly) when standard output was closed early (``| head``)."""
     parser = argparse.ArgumentParser(
         prog="python -m fakegrad_patch trace",
         description="Summarize fakegrad_patch trace files (JSONL, FAKEGRAD_TRACE=path). "
@@ -493,15 +662,44 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     summary = summarize(args.files)
-    if args.json:
-        json.dump(summary.as_dict(), sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
-    else:
-        render_text(summary, sys.stdout)
+    out = sys.stdout
+    try:
+        if out is not None:
+            with contextlib.suppress(AttributeError):
+                out.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+            if args.json:  # ensure_ascii: control characters are \u escapes
+                json.dump(summary.as_dict(), out, indent=2, default=str)
+                out.write("\n")
+            else:
+                render_text(summary, out)
+            out.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     for item in summary.unreadable:
-        print(f"fakegrad_patch trace: cannot read {item}", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            print(f"fakegrad_patch trace: cannot read {_h(item)}", file=sys.stderr)
     if summary.unreadable:
         return 2
     if args.strict and (summary.broken or summary.unknown):
         return 1
     return 0
+
+
+def _silence_stdout() -> None:
+    """The reader of our output went away: point stdout at /dev/null so the interpreter's final
+    flush does not print 'Exception ignored ... BrokenPipeError'."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":  # the file on its own: python _trace_reader.py trace.jsonl
+    sys.exit(main(sys.argv[1:]))

@@ -14,15 +14,25 @@ Where events go (see docs/trace-schema.md for every event and key):
 * ``capture()`` blocks, each at its own level (the pytest fixture uses one);
 * one optional sink: a JSONL file (``FAKEGRAD_TRACE=path`` or ``configure_trace(path=...)``),
   created lazily with mode 0600 and appended with one ``os.write`` per line (``O_APPEND``), so
-  several processes can share it; or stderr (``FAKEGRAD_TRACE=-``).
+  several processes can share it; or stderr (``FAKEGRAD_TRACE=-``). The file is opened without
+  following a symlink and without blocking, must be a regular file, and is rotated to
+  ``path.1`` when it reaches ``max_bytes`` (``FAKEGRAD_TRACE_MAX_BYTES``).
 
 Why a private pipeline: this is a library inside someone else's program. We never call
 ``structlog.configure`` and never touch ``logging``; ``structlog.wrap_logger`` gets every argument
 explicitly because it falls back to the global configuration for anything left unset. structlog
 is imported only when the first event passes the filter (``import fakegrad_patch`` stays light).
 
-Events never carry tensors: ``JSONRenderer`` falls back to ``repr()``, which is slow and can
-re-enter fake dispatch. A scrub step replaces anything that is not plain data by ``"<TypeName>"``
+Why it is cheap (trace at ``info`` is what people turn on while debugging a real model, so its
+cost per event must not change the timing they are looking at): the filtering bound logger and
+its level methods are built once per configuration and cached; there are three processors
+(envelope, fan-out, renderer), the timestamp is formatted once per second, the memory buffer
+keeps the event dict itself (no copy; ``events()`` copies on the way out), and the renderer
+returns bytes (orjson when installed: ``pip install fakegrad_patch[fast]``; the standard library
+otherwise) that the file sink hands to ``os.write`` as they are.
+
+Events never carry tensors: a JSON fallback would call ``repr()``, which is slow and can re-enter
+fake dispatch. The envelope step replaces anything that is not plain data by ``"<TypeName>"``
 without calling its ``repr``.
 """
 
@@ -30,12 +40,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
+import stat
 import sys
 import threading
+import time
 import warnings
 from collections import deque
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, Final
 
 from ._errors import FakeGradPatchWarning
@@ -47,7 +60,10 @@ _NAMES_BY_LEVEL: Final = {v: k for k, v in _LEVEL_NAMES.items()}
 
 ENV_PATH: Final = "FAKEGRAD_TRACE"
 ENV_LEVEL: Final = "FAKEGRAD_TRACE_LEVEL"
+ENV_MAX_BYTES: Final = "FAKEGRAD_TRACE_MAX_BYTES"
 DEFAULT_BUFFER_SIZE: Final = 10_000
+#: A trace file is rotated to ``path.1`` when it reaches this size (0: never).
+DEFAULT_MAX_BYTES: Final = 100 * 1024 * 1024
 #: Keys every event carries, in the order they are written.
 ENVELOPE_KEYS: Final = ("event", "level", "timestamp", "schema", "pid", "tid")
 
@@ -63,11 +79,14 @@ class TraceConfig:
         ``warning`` otherwise, so problems are always in the memory buffer and per-interception
         ``info`` events cost nothing unless asked for).
     buffer_size: how many events the memory buffer keeps (oldest dropped first).
+    max_bytes: the trace file is renamed to ``path.1`` (replacing it) and started afresh when it
+        reaches this size, so at most about twice this is on disk; 0: no limit.
     """
 
     path: str | None = None
     level: int | None = None
     buffer_size: int = DEFAULT_BUFFER_SIZE
+    max_bytes: int = DEFAULT_MAX_BYTES
 
     @property
     def effective_level(self) -> int:
@@ -87,6 +106,20 @@ def parse_level(level: int | str) -> int:
     raise ValueError(
         f"invalid trace level {level!r}: expected one of {', '.join(_LEVEL_NAMES)} or an int"
     )
+
+
+def parse_max_bytes(value: int | str) -> int:
+    """An int >= 0, or a string of one (``"0"`` means no limit)."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid max_bytes {value!r}")
+    if isinstance(value, str):
+        try:
+            value = int(value.strip().replace("_", ""))
+        except ValueError:
+            value = -1
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"invalid max_bytes {value!r}: expected an int >= 0 (0: no limit)")
+    return value
 
 
 def _warn(message: str) -> None:
@@ -116,55 +149,177 @@ def _config_from_env() -> TraceConfig:
             level = parse_level(raw)
         except ValueError as exc:
             _warn(f"fakegrad_patch: {ENV_LEVEL}: {exc}; using the default")
-    return TraceConfig(path=path, level=level)
+    max_bytes = DEFAULT_MAX_BYTES
+    raw = os.environ.get(ENV_MAX_BYTES, "").strip()
+    if raw:
+        try:
+            max_bytes = parse_max_bytes(raw)
+        except ValueError as exc:
+            _warn(f"fakegrad_patch: {ENV_MAX_BYTES}: {exc}; using the default {max_bytes}")
+    return TraceConfig(path=path, level=level, max_bytes=max_bytes)
 
 
 # -- sinks ----------------------------------------------------------------------------------------
 
+_O_NOFOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK: Final = getattr(os, "O_NONBLOCK", 0)
+_OPEN_FLAGS: Final = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_APPEND
+    | getattr(os, "O_CLOEXEC", 0)
+    | _O_NOFOLLOW  # a link at the path (shared temp directories) is refused, never followed
+    | _O_NONBLOCK  # a FIFO at the path must not hang the program in open()
+)
+#: How often (bytes written by this process) a file sink checks its file's size and identity.
+_CHECK_EVERY_MAX: Final = 1024 * 1024
+
+
+class _SinkRefused(OSError):
+    """The path exists but is not something we write a trace into."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link (trace files are opened without following links)"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def _wide_mode_notice(path: str, mode: int) -> str:
+    return (
+        f"the trace file {path!r} has permissions {stat.S_IMODE(mode):04o}, wider than 0600: "
+        "other users can read it (traces name your parameters; chmod 600 it)"
+    )
+
 
 class _FileSink:
-    """Appends rendered lines to a file: opened on the first line (mode 0600 when created),
-    ``O_APPEND`` and one ``os.write`` per line, so lines from several processes never interleave.
+    """Appends rendered lines (bytes) to a file: opened on the first line (mode 0600 when
+    created), ``O_APPEND`` and one ``os.write`` per line, so lines from several processes never
+    interleave. Rotated to ``path.1`` at ``max_bytes`` (see :meth:`_check`).
 
-    structlog calls the method named after the level with the rendered string.
+    structlog calls the method named after the level with the rendered bytes.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.path = path
+        self.max_bytes = max_bytes
         self.failed = False
+        self.failure: str | None = None
         self._fd: int | None = None
+        self._ino: tuple[int, int] | None = None
+        self._warned_mode = False
+        self._check_every = max(1, min(max_bytes // 16, _CHECK_EVERY_MAX)) if max_bytes else 1 << 62
+        self._unchecked = 0  # bytes written since the last size/identity check
         # Reentrant: a weakref finalizer (leaf_released) can emit from a GC run that starts
         # inside write() on this same thread.
         self._lock = threading.RLock()
 
-    def write(self, line: str) -> None:
-        data = (line + "\n").encode("utf-8")
+    def write(self, data: bytes) -> None:
         try:
             with self._lock:
                 if self.failed:
                     return
                 if self._fd is None:
-                    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-                    self._fd = os.open(self.path, flags, 0o600)
-                written = os.write(self._fd, data)
+                    self._open()
+                fd = self._fd
+                assert fd is not None
+                written = os.write(fd, data)
                 while written < len(data):  # only on a nearly full disk: finish the line
-                    written += os.write(self._fd, data[written:])
+                    written += os.write(fd, data[written:])
+                self._unchecked += written
+                if self._unchecked >= self._check_every:
+                    self._check()
         except OSError as exc:
             self._fail(exc)
 
+    def _open(self) -> None:
+        try:
+            fd = os.open(self.path, _OPEN_FLAGS, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP and _O_NOFOLLOW:
+                raise _SinkRefused(exc.errno, f"{self.path!r} is {_kind(stat.S_IFLNK)}") from exc
+            if exc.errno == errno.ENXIO:  # O_NONBLOCK open of a FIFO nobody reads
+                raise _SinkRefused(exc.errno, f"{self.path!r} is {_kind(stat.S_IFIFO)}") from exc
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _SinkRefused(errno.EINVAL, f"{self.path!r} is {_kind(st.st_mode)}")
+            if _O_NONBLOCK:
+                with contextlib.suppress(OSError, AttributeError):
+                    os.set_blocking(fd, True)  # a regular file: plain blocking writes
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._ino = (st.st_dev, st.st_ino)
+        if stat.S_IMODE(st.st_mode) & 0o077 and not self._warned_mode:
+            self._warned_mode = True
+            _warn(f"fakegrad_patch: {_wide_mode_notice(self.path, st.st_mode)}; appending to it.")
+        self._unchecked = 0
+        if self.max_bytes and st.st_size >= self.max_bytes:
+            self._check()
+
+    def _check(self) -> None:
+        """Size and identity of the file, every ``_check_every`` bytes this process wrote.
+
+        Another process may have rotated the file (our fd then points at ``path.1``: reopen
+        ``path``), or the file is full (rotate it). Rotation holds an exclusive ``flock`` on the
+        full file and renames only if ``path`` still is that file, so of several processes that
+        find it full at once exactly one renames it and the others just reopen.
+        """
+        self._unchecked = 0
+        fd = self._fd
+        if fd is None or not self.max_bytes:
+            return
+        st = os.fstat(fd)
+        if self._is_current(st) and st.st_size >= self.max_bytes:
+            flock = _flock(fd)
+            try:
+                if self._is_current(os.fstat(fd)):
+                    os.replace(self.path, self.path + ".1")
+            finally:
+                flock.release()
+        if not self._is_current(os.fstat(fd)):
+            self._fd = self._ino = None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            self._open()
+
+    def _is_current(self, st: os.stat_result) -> bool:
+        """Is ``path`` (not following links) still the file our fd writes to?"""
+        try:
+            now = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
     def _fail(self, exc: OSError) -> None:
         with self._lock:
+            if self.failed:
+                return
             self.failed = True
+            self.failure = exc.strerror if isinstance(exc, _SinkRefused) else str(exc)
             fd, self._fd = self._fd, None
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        refused = isinstance(exc, _SinkRefused)
+        reason = f"refused: {exc.strerror}" if refused else f"{type(exc).__name__}: {exc}"
         _warn(
-            f"fakegrad_patch: cannot write the trace file {self.path!r} ({exc}); tracing to that "
-            "file is disabled, the program continues (events stay in "
+            f"fakegrad_patch: cannot write the trace file {self.path!r} ({reason}); tracing to "
+            "that file is disabled, the program continues (events stay in "
             "fakegrad_patch.trace.events())."
         )
-        emit("trace_sink_failed", ERROR, path=self.path, error=f"{type(exc).__name__}: {exc}")
+        emit("trace_sink_failed", ERROR, path=self.path, error=reason)
 
     def close(self) -> None:
         with self._lock:
@@ -176,22 +331,57 @@ class _FileSink:
     debug = info = warning = error = msg = write
 
 
+class _Flock:
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+def _flock(fd: int) -> _Flock:
+    """An exclusive advisory lock on ``fd``'s file (none where ``fcntl`` does not exist)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return _Flock(None)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        return _Flock(None)
+    return _Flock(fd)
+
+
 class _StderrSink:
     """Writes rendered lines to the current ``sys.stderr`` (looked up per line, so pytest's
     capture and redirections see them)."""
 
     path = "-"
     failed = False
+    failure = None
 
-    def write(self, line: str) -> None:
+    def write(self, data: bytes) -> None:
         stream = sys.stderr
         if stream is None:
             return
         with contextlib.suppress(Exception):
-            stream.write(line + "\n")
+            stream.write(data.decode("utf-8", "replace"))
             stream.flush()
 
     def close(self) -> None:
+        pass
+
+    debug = info = warning = error = msg = write
+
+
+class _NullSink:
+    """The logger's target when there is no sink: events end in the memory buffer/captures."""
+
+    def write(self, data: bytes) -> None:
         pass
 
     debug = info = warning = error = msg = write
@@ -208,8 +398,11 @@ _buffer: deque[dict[str, Any]] = deque(maxlen=_config.buffer_size)
 #: active capture() blocks: (level, list); replaced, never mutated, so emit reads it lock-free
 _captures: tuple[tuple[int, list[dict[str, Any]]], ...] = ()
 _sink: _Sink | None = None  # set below, after _make_sink is defined
-_logger: Any = None  # the structlog bound logger, built on the first event that passes
+#: level -> the cached structlog bound logger's method for it; emptied on every configuration
+#: change and rebuilt on the next event that passes the filter
+_methods: dict[int, Callable[..., Any]] = {}
 _threshold: int = _config.effective_level
+_buffer_level: int = _config.effective_level  # the buffer's and the sink's level
 _pid = os.getpid()
 
 
@@ -227,17 +420,18 @@ if hasattr(os, "register_at_fork"):
 
 def _recompute_threshold() -> None:
     """Lowest level anything wants; called with ``_lock`` held."""
-    global _threshold
-    _threshold = min([_config.effective_level, *(level for level, _ in _captures)])
+    global _threshold, _buffer_level
+    _buffer_level = _config.effective_level
+    _threshold = min([_buffer_level, *(level for level, _ in _captures)])
 
 
-def _make_sink(path: str | None) -> _Sink | None:
-    if path is None:
+def _make_sink(config: TraceConfig) -> _Sink | None:
+    if config.path is None:
         return None
-    return _StderrSink() if path == "-" else _FileSink(path)
+    return _StderrSink() if config.path == "-" else _FileSink(config.path, config.max_bytes)
 
 
-_sink = _make_sink(_config.path)  # nothing is opened before the first event
+_sink = _make_sink(_config)  # nothing is opened before the first event
 
 
 def _floor_level(level: int) -> int:
@@ -254,61 +448,173 @@ _PLAIN_TYPES = frozenset(_PLAIN)  # exact types: the fast path of _envelope
 def _scrub(value: Any, depth: int = 0) -> Any:
     """Plain data only. Anything else becomes ``"<TypeName>"``: never ``repr`` (a tensor's repr
     can re-enter fake dispatch) and never keep a reference to it (the buffer outlives it)."""
+    if type(value) is list and depth < 4:  # shapes: the common case, first
+        return [v if type(v) in _PLAIN_TYPES else _scrub(v, depth + 1) for v in value]
     if isinstance(value, _PLAIN):
         return value
     if depth < 4:
         if isinstance(value, list | tuple):
-            return [_scrub(v, depth + 1) for v in value]
+            return [v if type(v) in _PLAIN_TYPES else _scrub(v, depth + 1) for v in value]
         if isinstance(value, dict):
             return {str(k): _scrub(v, depth + 1) for k, v in value.items()}
     return f"<{type(value).__name__}>"
 
 
+#: (second, "YYYY-MM-DDTHH:MM:SS") of the last timestamp: one tuple, swapped atomically
+_second: tuple[int, str] = (-1, "")
+
+
+def _timestamp() -> str:
+    """ISO 8601 UTC with microseconds, ``2026-11-30T21:54:22.081334Z``; the date and time of
+    day are formatted once per second (``datetime.isoformat`` per event costs more than the rest
+    of the envelope)."""
+    global _second
+    now = time.time_ns()
+    sec, ns = divmod(now, 1_000_000_000)
+    cached = _second
+    if cached[0] != sec:
+        cached = _second = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
+    return f"{cached[1]}.{ns // 1000:06d}Z"
+
+
+#: The event's own fields travel through structlog as this one keyword (``emit`` passes the
+#: dict it already has), so structlog's keyword plumbing copies one key instead of a dozen three
+#: times over; the envelope spreads them out.
+_FIELDS: Final = "_fakegrad_fields"
+
+
 def _envelope(
     logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
 ) -> dict[str, Any]:
-    """Stable keys first, in a fixed order; every value scrubbed."""
+    """Stable keys first, in a fixed order (level from the method name, the timestamp); then the
+    fields; every value scrubbed."""
     out: dict[str, Any] = {
         "event": event_dict.pop("event"),
-        "level": event_dict.pop("level"),
-        "timestamp": event_dict.pop("timestamp"),
+        "level": method_name,
+        "timestamp": _timestamp(),
         "schema": SCHEMA_VERSION,
         "pid": _pid,
         "tid": threading.get_ident(),
     }
-    for key, value in event_dict.items():
-        if key not in out:
-            out[key] = value if type(value) in _PLAIN_TYPES else _scrub(value)
+    fields = event_dict.pop(_FIELDS, None)
+    for items in (fields or {}, event_dict):
+        for key, value in items.items():
+            if key not in out:
+                out[key] = value if type(value) in _PLAIN_TYPES else _scrub(value)
     return out
 
 
 def _fan_out(
     logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
-    """Copy the event to the memory buffer and capture blocks that want its level; hand it on to
-    the renderer only when the sink wants it (``DropEvent`` otherwise: no JSON is built)."""
-    level = _LEVEL_NAMES.get(event_dict["level"], ERROR)
-    config_level = _config.effective_level
-    if level >= config_level:
-        with _lock:
-            _buffer.append(dict(event_dict))
+    """Put the event in the memory buffer (the dict itself: ``events()`` copies) and a copy in
+    each capture block that wants its level; hand it on to the renderer only when the sink wants
+    it (``DropEvent`` otherwise: no JSON is built)."""
+    level = _LEVEL_NAMES[method_name]
+    wanted = level >= _buffer_level
+    if wanted:
+        _buffer.append(event_dict)  # type: ignore[arg-type]  # deque.append: atomic
     for capture_level, sink_list in _captures:
         if level >= capture_level:
             sink_list.append(dict(event_dict))
-    if _sink is None or _sink.failed or level < config_level:
+    if not wanted or _sink is None or _sink.failed:
         raise _DropEvent
     return event_dict
+
+
+def _fan_out_only(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> bytes:
+    """The last step when there is no sink: the fan-out, then nothing for the null target
+    (cheaper than raising ``DropEvent`` for every event)."""
+    level = _LEVEL_NAMES[method_name]
+    if level >= _buffer_level:
+        _buffer.append(event_dict)  # type: ignore[arg-type]
+    for capture_level, sink_list in _captures:
+        if level >= capture_level:
+            sink_list.append(dict(event_dict))
+    return b""
 
 
 def _no_repr(obj: object) -> str:
     return f"<{type(obj).__name__}>"
 
 
-def _dumps(obj: Any, **kwargs: Any) -> str:
+def _stdlib_encoder(json: Any) -> Callable[[Any], str]:
+    """``JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_no_repr).encode``, with
+    the C encoder built once when the interpreter has it (``encode`` builds it again for every
+    call: about a fifth of a line's cost). ``markers=None`` skips the cycle check: scrubbed events
+    are trees. Used only where it writes exactly what ``encode`` writes."""
+    encode: Callable[[Any], str] = json.JSONEncoder(
+        separators=(",", ":"), ensure_ascii=False, default=_no_repr
+    ).encode
+    try:
+        chunks = json.encoder.c_make_encoder(
+            None, _no_repr, json.encoder.encode_basestring, None, ":", ",", False, False, True
+        )
+        sample = {"a": [1, 2.5, None, True, "\u00e9\n"], "b": {"c": object()}}
+        if "".join(chunks(sample, 0)) != encode(sample):
+            return encode
+    except Exception:  # no C encoder here (another interpreter), or another signature
+        return encode
+
+    def fast(event_dict: Any) -> str:
+        return "".join(chunks(event_dict, 0))
+
+    return fast
+
+
+def _stdlib_renderer() -> Callable[[Any], bytes]:
     import json  # here, not at module top: ``import fakegrad_patch`` stays light
 
-    kwargs["default"] = _no_repr
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, **kwargs)
+    fast = _stdlib_encoder(json)
+    ascii_only = json.JSONEncoder(separators=(",", ":"), default=_no_repr).encode
+
+    def render(event_dict: Any) -> bytes:
+        text = fast(event_dict)
+        try:
+            return (text + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: \u escapes keep the line valid JSON
+            return (ascii_only(event_dict) + "\n").encode("ascii")
+
+    return render
+
+
+def _make_renderer() -> tuple[str, Callable[[Any], bytes]]:
+    """(backend name, event dict -> one JSON line as bytes): orjson when importable (the
+    ``fast`` extra), the standard library otherwise; both write the same JSON for plain data."""
+    fallback = _stdlib_renderer()
+    if os.environ.get("FAKEGRAD_TRACE_JSON", "").strip().lower() == "stdlib":
+        return "json", fallback
+    try:
+        import orjson
+    except Exception:
+        return "json", fallback
+    dumps = orjson.dumps
+    option = orjson.OPT_APPEND_NEWLINE
+
+    def render(event_dict: Any) -> bytes:
+        try:
+            return dumps(event_dict, default=_no_repr, option=option)
+        except Exception:  # ints beyond 64 bits, lone surrogates: the stdlib writes those
+            return fallback(event_dict)
+
+    return "orjson", render
+
+
+_render_line: Callable[[Any], bytes] | None = None
+json_backend: str | None = None  # "orjson" or "json" once the first line was rendered
+
+
+def _render(logger: Any, method_name: str, event_dict: Any) -> bytes:
+    render = _render_line
+    if render is None:
+        render = _set_renderer()
+    return render(event_dict)
+
+
+def _set_renderer() -> Callable[[Any], bytes]:
+    global _render_line, json_backend
+    json_backend, _render_line = _make_renderer()
+    return _render_line
 
 
 _DropEvent: type[BaseException] = Exception  # structlog.DropEvent once structlog is imported
@@ -321,21 +627,33 @@ def _build_logger() -> Any:
 
     _DropEvent = structlog.DropEvent
 
-    target = _sink if _sink is not None else _StderrSink()  # unused when no sink: events dropped
+    if _sink is None:
+        target: Any = _NullSink()
+        processors: list[Any] = [_envelope, _fan_out_only]
+    else:
+        target, processors = _sink, [_envelope, _fan_out, _render]
     return structlog.wrap_logger(
         target,
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True, key="timestamp"),
-            _envelope,
-            _fan_out,
-            structlog.processors.JSONRenderer(serializer=_dumps),
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_floor_level(_threshold)),
         context_class=dict,
         cache_logger_on_first_use=False,
         logger_factory_args=(),
     ).bind()
+
+
+def _method_for(level: int) -> Callable[..., Any]:
+    """The cached bound logger's method for ``level`` (built on first use per configuration)."""
+    with _lock:
+        method = _methods.get(level)
+        if method is None:
+            logger = _methods.get(-1)
+            if logger is None:
+                logger = _build_logger()
+            name = _NAMES_BY_LEVEL.get(_floor_level(level) or DEBUG, "debug")
+            method = getattr(logger, name)
+            _methods.update({-1: logger, level: method})
+    return method
 
 
 # -- public API -----------------------------------------------------------------------------------
@@ -354,31 +672,45 @@ def emit(event: str, level: int, **fields: Any) -> None:
     """
     if level < _threshold:
         return
-    global _logger
     try:
-        logger = _logger
-        if logger is None:
-            with _lock:
-                if _logger is None:
-                    _logger = _build_logger()
-                logger = _logger
-        if level not in _NAMES_BY_LEVEL:
-            level = _floor_level(level) or DEBUG
-        logger.log(level, event, **fields)
+        method = _methods.get(level)
+        if method is None:
+            method = _method_for(level)
+        method(event, _fakegrad_fields=fields)
+    except Exception as exc:
+        _warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
+
+
+def emit_fields(event: str, level: int, fields: dict[str, Any]) -> None:
+    """:func:`emit` for hot paths that already hold the fields in a dict: saves building the
+    keyword dict of the call (about a microsecond for a dozen fields). ``fields`` is read, never
+    kept or changed. Same rules: plain data only, never raises.
+    """
+    if level < _threshold:
+        return
+    try:
+        method = _methods.get(level)
+        if method is None:
+            method = _method_for(level)
+        method(event, _fakegrad_fields=fields)
     except Exception as exc:
         _warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
 
 
 def events() -> list[dict[str, Any]]:
     """A copy of the in-memory buffer, oldest first."""
-    with _lock:
-        return [dict(e) for e in _buffer]
+    for _ in range(100):
+        try:
+            snapshot = list(_buffer)
+        except RuntimeError:  # appended to (a GC finalizer) while being copied: again
+            continue
+        return [dict(e) for e in snapshot]
+    return []  # pragma: no cover - never seen
 
 
 def clear() -> None:
     """Empty the in-memory buffer."""
-    with _lock:
-        _buffer.clear()
+    _buffer.clear()
 
 
 def current_config() -> TraceConfig:
@@ -390,6 +722,7 @@ def configure_trace(
     path: str | os.PathLike[str] | None = _KEEP,
     level: int | str | None = None,
     buffer_size: int | None = None,
+    max_bytes: int | None = None,
 ) -> TraceConfig:
     """Change where events go; return the previous configuration (pass it to :func:`restore`).
 
@@ -397,10 +730,13 @@ def configure_trace(
         stderr, ``None`` for no sink (memory buffer only); left out: unchanged.
     level: ``"debug"``/``"info"``/``"warning"``/``"error"`` or an int; ``None``: unchanged.
     buffer_size: capacity of the memory buffer (keeps the newest events); ``None``: unchanged.
+    max_bytes: rotate the file to ``path.1`` when it reaches this size; 0: no limit;
+        ``None``: unchanged (default ``FAKEGRAD_TRACE_MAX_BYTES``, else 100 MiB).
     """
     new_level = None if level is None else parse_level(level)
     if buffer_size is not None and (isinstance(buffer_size, bool) or buffer_size < 0):
         raise ValueError(f"invalid buffer_size {buffer_size!r}: expected an int >= 0")
+    new_max = None if max_bytes is None else parse_max_bytes(max_bytes)
     with _lock:
         previous = _config
         changes: dict[str, Any] = {}
@@ -410,6 +746,8 @@ def configure_trace(
             changes["level"] = new_level
         if buffer_size is not None:
             changes["buffer_size"] = int(buffer_size)
+        if new_max is not None:
+            changes["max_bytes"] = new_max
         _apply(dataclasses.replace(previous, **changes))
     return previous
 
@@ -421,17 +759,21 @@ def restore(config: TraceConfig) -> None:
 
 
 def _apply(config: TraceConfig) -> None:
-    global _config, _buffer, _sink, _logger
-    if config.path != _config.path or (_sink is not None and _sink.failed):
+    global _config, _buffer, _sink, _methods
+    if (
+        config.path != _config.path
+        or config.max_bytes != _config.max_bytes
+        or (_sink is not None and _sink.failed)
+    ):
         old = _sink
-        _sink = _make_sink(config.path)
+        _sink = _make_sink(config)
         if old is not None:
             old.close()
     if config.buffer_size != _buffer.maxlen:
         _buffer = deque(_buffer, maxlen=config.buffer_size)
     _config = config
     _recompute_threshold()
-    _logger = None  # rebuilt on the next event, for the new sink and threshold
+    _methods = {}  # rebuilt on the next event, for the new sink and threshold
 
 
 def set_level(level: int | str) -> int:
@@ -448,20 +790,75 @@ def capture(level: int | str = DEBUG) -> Iterator[list[dict[str, Any]]]:
     The buffer and sink keep their own level; the previous state is restored on exit. Events
     from every thread are captured (the patch fires inside autograd's worker threads too).
     """
-    global _captures, _logger
+    global _captures, _methods
     entry: tuple[int, list[dict[str, Any]]] = (parse_level(level), [])
     with _lock:
         _captures = (*_captures, entry)
         _recompute_threshold()
-        _logger = None
+        _methods = {}
     try:
         yield entry[1]
     finally:
         with _lock:
             _captures = tuple(c for c in _captures if c is not entry)
             _recompute_threshold()
-            _logger = None
+            _methods = {}
+
+
+def sink_problem(path: str | None = None) -> str | None:
+    """Why the trace file sink cannot work (or a notice about it), without writing anything.
+
+    ``path``: the file to check; ``None``: the configured sink (``FAKEGRAD_TRACE`` /
+    :func:`configure_trace`). Returns ``None`` when there is nothing to say: no file sink, or a
+    path that can be created or appended to. Otherwise one sentence: the sink already failed in
+    this process, an impossible path, a missing or unwritable directory, a symlink, a FIFO or
+    another file that is not a regular file, an unwritable file, or (a notice: tracing works) a
+    file readable by others. Standard library only; never opens the path (a FIFO would block).
+    """
+    sink = _sink
+    if path is None:
+        target = _config.path
+        if target is None or target == "-":
+            return None
+        if isinstance(sink, _FileSink) and sink.path == target and sink.failed:
+            return f"tracing to {target!r} failed in this process: {sink.failure}"
+    else:
+        target = _normalize_path(path)
+        if target is None or target == "-":
+            return None
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return _directory_problem(target)
+    except (OSError, ValueError) as exc:
+        return f"impossible trace path {target!r}: {getattr(exc, 'strerror', None) or exc}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"the trace path {target!r} is {_kind(st.st_mode)}: it will not be written"
+    if not os.access(target, os.W_OK):
+        return f"the trace file {target!r} is not writable"
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return f"notice: {_wide_mode_notice(target, st.st_mode)}"
+    return None
+
+
+def _directory_problem(target: str) -> str | None:
+    directory = os.path.dirname(target) or "."
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        return f"the directory of the trace file {target!r} does not exist"
+    except (OSError, ValueError) as exc:
+        return f"impossible trace path {target!r}: {getattr(exc, 'strerror', None) or exc}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"impossible trace path {target!r}: {directory!r} is not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"the directory {directory!r} is not writable: {target!r} cannot be created"
+    return None
 
 
 def _sink_for_tests() -> _Sink | None:
     return _sink
+
+
+def _render_line_for_tests(event_dict: dict[str, Any]) -> bytes:
+    return _render(None, "info", event_dict)
