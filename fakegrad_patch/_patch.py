@@ -179,10 +179,10 @@ class _Applied:
         self._bypassed = _probes.bypassed
         self._bypass = _probes._bypass
         self._probe_defs = _probes
-        #: id(real source root) -> (weak refs to it and to the fake root last seen for it, source
-        #: version when that fake's propagated copy was last synced): D2 repair and re-sync of
-        #: stale copies.
-        self._synced: dict[int, tuple[Any, Any, int]] = {}
+        #: id(real source root) -> (weak refs to it and to the fake root last seen for it, data
+        #: pointer of that fake's propagated copy, source version when it was last synced): D2
+        #: repair and re-sync of stale copies.
+        self._synced: dict[int, tuple[Any, Any, int, int]] = {}
         self._retained: dict[int, Any] = {}
         self._is_fake = self.resolved.is_fake
         self._real_of = self.resolved.real_of
@@ -306,11 +306,11 @@ class _Applied:
         on builds with D2 a converted ``nn.Parameter`` (or any view of one: it is converted
         through its base) gets uninitialised values, repaired here for the whole storage at once;
         and on every build a converter keeps the propagated copy of its first conversion (in its
-        tensor memo on 2.13, through its storage memo for a new fake on 2.14) even after the real
-        tensor changed (an optimizer step between two graphs of one mode). A fake seen before is
-        re-synced when the source's version counter moved; a new fake's values are compared with
-        the source once (a new fake can share a stale buffer with fakes we never saw, e.g. the
-        ``weight.t()`` a kept graph saved)."""
+        tensor memo on 2.13, through its storage memo for a new fake on 2.14: a kept graph's saved
+        ``weight.t()`` holds the old buffer) even after the real tensor changed (an optimizer step
+        between two graphs of one mode): re-synced when the buffer is one we synced before and the
+        source's version counter moved since. No value is ever compared: O(1) per conversion
+        unless a copy is due."""
         real = self._real_of(fake)
         if real is None:
             return
@@ -319,31 +319,31 @@ class _Applied:
             return
         key = id(root)
         fake_root = fake._base if fake._base is not None else fake
+        data = real.untyped_storage().data_ptr()
         version = source._version
         entry = self._synced.get(key)
-        if entry is not None and entry[0]() is root and entry[1]() is fake_root:
-            if entry[2] == version:
+        reason: str | None = None
+        if entry is not None and entry[0]() is root and entry[2] == data:
+            # The same fake (tensor memo), or a new fake over the buffer we synced before (2.14's
+            # storage memo keeps it while a kept graph's saved views hold it; or the allocator
+            # reused a freed buffer's address: then a copy costs one pass and is still right).
+            same_fake = entry[1]() is fake_root
+            if same_fake and entry[3] == version:
                 return  # the common case: a memo hit, nothing changed
-            reason: str | None = "stale"
-        elif self._same_values(real, source):
-            reason = None  # a fresh, right copy (what upstream does without D2)
-        else:  # D2's uninitialised copy, or a stale one from the converter's storage memo
-            reason = "d2" if type(root) is not self._torch.Tensor and self._has_d2() else "stale"
+            if not same_fake and self._d2_applies(root):
+                reason = "d2"  # maybe a fresh copy at a reused address: uninitialised
+            elif entry[3] != version:
+                reason = "stale"
+        elif self._d2_applies(root):
+            reason = "d2"  # upstream just made this copy, uninitialised on builds with D2
         if reason is not None:
             self._copy_source_values(real, source, reason)
         if len(self._synced) > 4096:
             self._synced = {k: v for k, v in self._synced.items() if v[0]() is not None}
-        self._synced[key] = (weakref.ref(root), weakref.ref(fake_root), version)
+        self._synced[key] = (weakref.ref(root), weakref.ref(fake_root), data, version)
 
-    def _same_values(self, real: Any, source: Any) -> bool:
-        """Once per new fake of a source (not per memo hit): O(n), like one elementwise op."""
-        if real.layout != self._torch.strided or real.shape != source.shape:
-            return True
-        with self.resolved.no_dispatch():
-            return bool(self._torch.equal(real, source.detach()))
-
-    def _has_d2(self) -> bool:
-        return self.probes.has(self._probe_defs.D2)
+    def _d2_applies(self, root: Any) -> bool:
+        return type(root) is not self._torch.Tensor and self.probes.has(self._probe_defs.D2)
 
     def _copy_source_values(self, real: Any, source: Any, reason: str) -> None:
         torch = self._torch
