@@ -1,0 +1,213 @@
+"""``python -m fakegrad_patch verify module:factory`` and the ``fakegrad_verify`` pytest fixture:
+the table (problems first), ``--json``, exit codes 0 / 1 (any mismatch) / 2 (cannot compare)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ZOO = ROOT / "tests" / "_zoo.py"
+
+#: A factory file that also switches a broken materializer on, in the child process (test only):
+#: the gradients of the named parameters get +1 after the real rule wrote them.
+BROKEN = textwrap.dedent(
+    """
+    import torch
+    from fakegrad_patch import _leaves
+    from fakegrad_patch._accumulate import Materializer
+
+    CORRUPT = {"0.weight", "2.bias"}
+    _original = Materializer._write
+
+    def _broken(self, leaf, *args, **kwargs):
+        outcome = _original(self, leaf, *args, **kwargs)
+        if _leaves.name_of(leaf) in CORRUPT:
+            with self._r.no_dispatch(), torch.no_grad():
+                leaf.grad.add_(1.0)
+        return outcome
+
+    Materializer._write = _broken
+
+    def factory():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+        )
+        return model, torch.randn(3, 4)
+    """
+)
+
+
+def _env() -> dict[str, str]:
+    """The worktree's package and pytest plugin first on the path (the installed plugin module
+    may be an older copy)."""
+    paths = [str(ROOT), str(ROOT / "fakegrad_patch" / "_hooks")]
+    old = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + ([old] if old else []))}
+
+
+def _verify(*args: str, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fakegrad_patch", "verify", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=cwd,
+        env=_env(),
+    )
+
+
+def test_cli_prints_the_table_and_exits_0_when_everything_matches() -> None:
+    out = _verify(f"{ZOO}:conv_bn_channels_last")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("fakegrad_patch verify: ConvNet, 2 step(s), optimizer SGD")
+    assert lines[2] == "verdict: OK, 9 parameter(s) match eager"
+    assert "PROBLEMS: none" in lines
+    assert "PARAMETERS (9)" in lines and "BUFFERS (6) (info)" in lines
+    assert not [line for line in lines if line.startswith("! ")]
+
+
+def test_cli_names_exactly_the_broken_parameters_and_exits_1(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "broken.py").write_text(BROKEN)
+    out = _verify(f"{tmp_path / 'broken.py'}:factory")
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[2].startswith("verdict: MISMATCH, 2 of 4 parameter(s) differ")
+    problems = lines[lines.index("PROBLEMS (2)") + 1 : lines.index("PROBLEMS (2)") + 3]
+    assert [p.split("'")[1] for p in problems] == ["0.weight", "2.bias"]
+    assert {line.split()[1] for line in lines if line.startswith("! ")} == {"0.weight", "2.bias"}
+
+    as_json = _verify(f"{tmp_path / 'broken.py'}:factory", "--json")
+    assert as_json.returncode == 1
+    data = json.loads(as_json.stdout)
+    assert data["ok"] is False and data["mismatched"] == ["0.weight", "2.bias"]
+    rows = {p["name"]: p for p in data["parameters"]}
+    assert rows["0.weight"]["max_abs"] == pytest.approx(1.0, rel=1e-6)
+    assert rows["0.bias"]["max_abs"] == 0.0 and rows["0.bias"]["ok"] is True
+
+
+def test_cli_json_options_and_a_dotted_module_returning_a_tuple(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "mymodels.py").write_text(
+        "import functools, torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    m = torch.nn.Linear(3, 2)\n"
+        "    return m, torch.randn(4, 3), None, functools.partial(torch.optim.SGD, lr=0.1)\n"
+    )
+    out = _verify("mymodels:build", "--json", "--steps", "3", "--zero-grad", "never", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads(out.stdout)
+    assert (data["ok"], data["steps"], data["zero_grad"], data["optimizer"]) == (
+        True,
+        3,
+        "never",
+        "SGD",
+    )
+    assert [p["outcomes"] for p in data["parameters"]] == [{"set": 1, "accumulate": 2}] * 2
+    assert all(p["identity"] == "kept" for p in data["parameters"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "body", "message"),
+    [
+        ("nocolon", None, "expected module:factory"),
+        ("{file}:missing", "x = 1\n", "has no attribute 'missing'"),
+        ("{file}:f", "def f():\n    raise RuntimeError('boom')\n", "failed: RuntimeError: boom"),
+        ("{file}:f", "def f():\n    return 42\n", "must return (model, inputs"),
+        (
+            "{file}:f",
+            "import torch\ndef f():\n    with torch.device('meta'):\n"
+            "        return torch.nn.Linear(2, 2), torch.randn(1, 2)\n",
+            "meta device",
+        ),
+        ("no_such_module_xyz:f", None, "cannot import 'no_such_module_xyz'"),
+    ],
+)
+def test_cli_exits_2_when_it_cannot_compare(
+    tmp_path: pathlib.Path, spec: str, body: str | None, message: str
+) -> None:
+    path = tmp_path / "case.py"
+    if body is not None:
+        path.write_text(body)
+    out = _verify(spec.format(file=path), cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr
+    assert out.stdout == ""
+
+
+def test_verify_is_listed_in_the_command_usage() -> None:
+    from fakegrad_patch.__main__ import COMMANDS
+
+    assert COMMANDS["verify"][0] == "fakegrad_patch._verify_cli"
+
+
+# -- the pytest fixture ---------------------------------------------------------------------------
+
+INNER = textwrap.dedent(
+    """
+    import functools
+    import pytest
+    import torch
+
+    import fakegrad_patch
+    from fakegrad_patch import _leaves
+    from fakegrad_patch._accumulate import Materializer
+
+    def _model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+    def test_matches(fakegrad_verify):
+        report = fakegrad_verify(
+            _model(), torch.randn(2, 4), steps=2,
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        )
+        assert report.ok and len(report.parameters) == 4
+
+    def test_broken(fakegrad_verify, monkeypatch):
+        original = Materializer._write
+        def broken(self, leaf, *args, **kwargs):
+            outcome = original(self, leaf, *args, **kwargs)
+            if _leaves.name_of(leaf) == "2.weight":
+                with self._r.no_dispatch(), torch.no_grad():
+                    leaf.grad.mul_(3.0)
+            return outcome
+        monkeypatch.setattr(Materializer, "_write", broken)
+        fakegrad_verify(_model(), torch.randn(2, 4))
+
+    @pytest.fixture
+    def uninstalled():
+        fakegrad_patch.uninstall()
+
+    def test_leaves_the_patch_as_found(uninstalled, fakegrad_verify):
+        assert fakegrad_verify(_model(), torch.randn(2, 4)).ok
+
+    def test_after(uninstalled):
+        assert not fakegrad_patch.is_installed()
+    """
+)
+
+
+def test_fixture_passes_matching_models_and_fails_with_the_report(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    pytester.makepyfile(test_inner=INNER)
+    pytester.makeini("[pytest]\nfilterwarnings = ignore::UserWarning\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=3, failed=1)
+    text = result.stdout.str()
+    assert "test_broken" in text and "the patched run differs from eager" in text
+    assert "! '2.weight': step 1: gradient differs from eager" in text
+    assert "'0.weight'" not in text.split("PARAMETERS (")[0]  # only 2.weight in PROBLEMS
