@@ -113,7 +113,7 @@ def verify(
     names = _param_names(patched)
     loss_of = loss_fn if loss_fn is not None else default_loss
     run = _Run(eager, patched, example_inputs, loss_of, optimizer, zero_grad, atol, rtol)
-    with torch.random.fork_rng(devices=_cuda_devices(model, example_inputs)):
+    with torch.random.fork_rng(devices=_cuda_devices(model, example_inputs)), torch.enable_grad():
         run.execute(steps)
     return run.report(
         model,
@@ -381,12 +381,14 @@ class _Run:
 
     def _outcomes(self, names: dict[int, str]) -> None:
         unknown = 0
+        internal: dict[str, int] = {}
         for event in self.events:
             kind = event.get("event")
             if kind == "internal_error":
-                self.general.append(
+                text = (
                     f"internal error in fakegrad_patch ({event.get('where')}): {event.get('error')}"
                 )
+                internal[text] = internal.get(text, 0) + 1
                 continue
             name = names.get(event.get("leaf_id", -1))
             if kind == "d2_repaired" and name is not None:
@@ -406,6 +408,13 @@ class _Run:
             for key in _BAD_OUTCOMES:
                 if row.outcomes.get(key):
                     _problem(row, f"patch outcome {key!r} x{row.outcomes[key]} (see the trace)")
+        self.general += [f"{text} (x{n})" if n > 1 else text for text, n in internal.items()]
+        repairs = sum(row.d2_repairs for row in self.rows.values())
+        if repairs:
+            self.notes.append(
+                "this torch build has defect D2 (converted parameters get uninitialised values): "
+                f"the patch repaired parameter values {repairs} time(s)"
+            )
         if unknown:
             self.notes.append(
                 f"{unknown} fake gradient(s) reached real leaves that are not parameters of the "
@@ -551,7 +560,7 @@ def _check_loss(loss: Any) -> None:
     if not loss.requires_grad:
         raise VerifyError(
             "verify: the loss does not require grad: no parameter of the model takes part in it "
-            "(all frozen, or the model ran under torch.no_grad)"
+            "(all frozen, or the forward detaches its output)"
         )
 
 

@@ -4,7 +4,7 @@ Each factory takes a device and returns the dict the ``verify`` command accepts 
 ``inputs`` and optionally ``loss_fn``, ``optimizer``, ``steps``). The families: plain MLP, conv
 net with BatchNorm in channels_last, a tiny transformer block (LayerNorm, attention, dropout, tied
 embeddings), an RNN cell unrolled in a Python loop, and parametrizations (weight_norm, orthogonal,
-a custom one, spectral_norm). Also usable from the command line:
+a custom one, spectral_norm), and a sparse embedding. Also usable from the command line:
 ``python -m fakegrad_patch verify tests/_zoo.py:mlp``.
 """
 
@@ -186,6 +186,19 @@ def spectral_norm_model(device: str = "cpu") -> Case:
     return _parametrized_mlp(device, spectral_norm)
 
 
+def sparse_embedding(device: str = "cpu") -> Case:
+    """``nn.Embedding(sparse=True)``: AccumulateGrad keeps sparse gradients sparse."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 6, sparse=True), nn.Flatten(), nn.Linear(18, 2))
+    model.to(device)
+    return {
+        "model": model,
+        "inputs": (torch.randint(0, 20, (4, 3), device=device),),
+        "optimizer": functools.partial(torch.optim.SGD, lr=0.1),
+        "steps": 2,
+    }
+
+
 #: name -> factory, in the order of the issue's list.
 ZOO: dict[str, Callable[[str], Case]] = {
     "mlp": mlp,
@@ -196,4 +209,5 @@ ZOO: dict[str, Callable[[str], Case]] = {
     "orthogonal": orthogonal_model,
     "custom_parametrization": custom_parametrization,
     "spectral_norm": spectral_norm_model,
+    "sparse_embedding": sparse_embedding,
 }

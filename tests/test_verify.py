@@ -30,6 +30,11 @@ KNOWN_CORE_FAILURES = {
         "normalizes with stale vectors: gradient of 0.parametrizations.weight.original differs "
         "(max rel ~9e-2 at step 2, both builds)"
     ),
+    "sparse_embedding": (
+        "sparse gradients are not supported by the core: materializing the sparse gradient of "
+        "0.weight raises 'copy_() between dense and sparse Tensors is not implemented' "
+        "(internal_error, materialize), the parameter is left without a gradient (both builds)"
+    ),
 }
 
 
@@ -206,6 +211,34 @@ def test_every_parameter_is_reported_when_the_patch_is_absent(
     assert report.mismatched == names
     assert all(p.grad == "fake" and p.eager_grad == "real" for p in report.parameters)
     assert all(any("FakeTensor was left" in x for x in p.problems) for p in report.parameters)
+
+
+def test_internal_errors_are_problems_and_name_the_parameter_left_without_grad(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = Materializer.on_fake_grad
+
+    def failing(self: Materializer, leaf: torch.Tensor, grad: Any) -> Any:
+        if _leaves.name_of(leaf) == "out.weight":
+            raise RuntimeError("test-only failure")
+        return original(self, leaf, grad)
+
+    monkeypatch.setattr(Materializer, "on_fake_grad", failing)
+    with pytest.warns(fakegrad_patch.FakeGradPatchWarning, match="test-only failure"):
+        report = _run(_zoo.rnn_cell_loop(), steps=2, optimizer=None)  # no update: no spread
+    assert report.mismatched == ["out.weight"]
+    (row,) = [p for p in report.parameters if p.name == "out.weight"]
+    assert row.grad == "none" and row.problems[0] == "step 1: no gradient where eager has one"
+    assert report.general_problems == [
+        "internal error in fakegrad_patch (materialize): RuntimeError: test-only failure (x2)"
+    ]
+
+
+def test_runs_with_grad_enabled_even_inside_no_grad() -> None:
+    case = _zoo.mlp()
+    with torch.no_grad():
+        report = _run(case, steps=1)
+    assert report.ok, report.format()
 
 
 # -- columns of the report ------------------------------------------------------------------------
