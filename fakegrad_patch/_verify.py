@@ -44,6 +44,8 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 _FALLBACK_TOLERANCE = (1.3e-6, 1e-5)
 
+_BUFFER_NOTE = "differs from eager: updated on a fake copy inside the mode (upstream, not a .grad)"
+
 _PATCH_EVENTS = {
     "fake_grad_set": "set",
     "fake_grad_accumulate": "accumulate",
@@ -439,10 +441,7 @@ class _Run:
                 row.max_abs = abs_diff
                 if not close:
                     row.matches = False
-                    row.note = (
-                        "differs from eager (in-place buffer updates inside FakeTensorMode are "
-                        "not written back by torch; gradients are unaffected)"
-                    )
+                    row.note = _BUFFER_NOTE
             out.append(row)
         if not strict and any(not b.matches for b in out):
             self.notes.append(

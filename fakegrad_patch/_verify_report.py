@@ -64,10 +64,13 @@ class ParamReport:
 class BufferReport:
     """Eager vs patched for one named buffer after the last step.
 
-    Buffers updated in place inside FakeTensorMode (BatchNorm's running statistics) are not
-    written back by torch: the real buffer keeps its old values. fakegrad_patch covers gradients,
-    so such differences are reported (``matches`` False, with a note) but do not fail the verdict
-    unless ``verify(..., check_buffers="strict")``.
+    A buffer updated in place by an op that also has fake inputs (BatchNorm's running statistics,
+    spectral_norm's power iteration) is updated on its fake copy inside FakeTensorMode: the real
+    buffer keeps its old values, patched or not (upstream; in-place ops whose inputs are all real,
+    like ``num_batches_tracked += 1``, run for real). fakegrad_patch covers gradients, so such
+    differences are reported (``matches`` False, with a note) without failing the verdict, unless
+    ``verify(..., check_buffers="strict")``. A later step that reads such a buffer (BatchNorm in
+    eval mode, spectral_norm) computes different gradients, and those do fail it.
     """
 
     name: str

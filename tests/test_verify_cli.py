@@ -211,3 +211,71 @@ def test_fixture_passes_matching_models_and_fails_with_the_report(
     assert "test_broken" in text and "the patched run differs from eager" in text
     assert "! '2.weight': step 1: gradient differs from eager" in text
     assert "'0.weight'" not in text.split("PARAMETERS (")[0]  # only 2.weight in PROBLEMS
+
+
+# -- docs/verify.md -------------------------------------------------------------------------------
+
+DOC = (ROOT / "docs" / "verify.md").read_text()
+
+
+def _doc_blocks(lang: str) -> list[str]:
+    blocks, body, info = [], [], None
+    for line in DOC.splitlines():
+        if line.startswith("```"):
+            if info is None:
+                info, body = line[3:].strip(), []
+            else:
+                if info == lang:
+                    blocks.append("\n".join(body) + "\n")
+                info = None
+        elif info is not None:
+            body.append(line)
+    return blocks
+
+
+EXAMPLES = [b for b in _doc_blocks("python") if b.startswith("# ") and ".py:" in b.split()[1]]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda b: b.split()[1].rstrip(":"))
+def test_docs_copy_paste_examples_pass_through_the_command(
+    tmp_path: pathlib.Path, example: str
+) -> None:
+    name = example.split()[1].rstrip(":")
+    (tmp_path / name).write_text(example)
+    out = _verify(f"{name}:factory", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[2].startswith("verdict: OK, ")
+    assert "torchvision" not in example.replace("no torchvision", "")
+    assert "transformers" not in example.replace("no transformers", "")
+
+
+def test_docs_has_both_examples() -> None:
+    assert sorted(b.split()[1] for b in EXAMPLES) == ["my_cnn.py:", "tiny_gpt.py:"]
+
+
+def _shape(report: str) -> list[str]:
+    """What a pasted report must share with a fresh run on any build: the header without the
+    torch version, the verdict, the problems, and the parameter rows' names and marks."""
+    lines = report.strip().splitlines()
+    keep = [lines[0].rsplit(", torch ", 1)[0], lines[2]]
+    keep += [line.split(": step")[0] for line in lines if line.startswith("  ! ")]
+    start, end = lines.index(next(x for x in lines if x.startswith("PARAMETERS ("))), None
+    for i in range(start + 1, len(lines)):
+        if not lines[i].strip():
+            end = i
+            break
+    keep += [line[:1] + line.split()[0 if line[0] == " " else 1] for line in lines[start:end]]
+    return keep
+
+
+PASTED = [b for b in _doc_blocks("") if b.startswith("fakegrad_patch verify: ")]
+
+
+@pytest.mark.parametrize("pasted", PASTED, ids=lambda b: b.split()[2].rstrip(","))
+def test_docs_pasted_reports_are_what_the_command_prints(pasted: str) -> None:
+    command = DOC[: DOC.index(pasted)].rsplit("python -m fakegrad_patch verify ", 1)[1]
+    spec = command.split("`")[0].split()[0]
+    out = _verify(spec)
+    assert out.returncode == (0 if "verdict: OK" in pasted else 1), out.stderr
+    assert _shape(out.stdout) == _shape(pasted)
+    assert len(PASTED) == 2
