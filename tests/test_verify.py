@@ -334,8 +334,7 @@ def _snapshot(model: nn.Module) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("installed", [True, False])
-@pytest.mark.parametrize("on_missing", ["drop", "error"])
+@pytest.mark.parametrize(("installed", "on_missing"), [(True, "drop"), (False, "error")])
 def test_model_rng_patch_state_and_settings_are_left_unchanged(
     installed: bool, on_missing: str
 ) -> None:

@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -36,6 +38,11 @@ BROKEN = textwrap.dedent(
         return outcome
 
     Materializer._write = _broken
+    """
+)
+FACTORY = textwrap.dedent(
+    """
+    import torch
 
     def factory():
         torch.manual_seed(0)
@@ -79,7 +86,7 @@ def test_cli_prints_the_table_and_exits_0_when_everything_matches() -> None:
 
 
 def test_cli_names_exactly_the_broken_parameters_and_exits_1(tmp_path: pathlib.Path) -> None:
-    (tmp_path / "broken.py").write_text(BROKEN)
+    (tmp_path / "broken.py").write_text(BROKEN + FACTORY)
     out = _verify(f"{tmp_path / 'broken.py'}:factory")
     assert out.returncode == 1, out.stdout + out.stderr
     lines = out.stdout.splitlines()
@@ -88,26 +95,64 @@ def test_cli_names_exactly_the_broken_parameters_and_exits_1(tmp_path: pathlib.P
     assert [p.split("'")[1] for p in problems] == ["0.weight", "2.bias"]
     assert {line.split()[1] for line in lines if line.startswith("! ")} == {"0.weight", "2.bias"}
 
-    as_json = _verify(f"{tmp_path / 'broken.py'}:factory", "--json")
-    assert as_json.returncode == 1
-    data = json.loads(as_json.stdout)
+
+def test_cli_json_names_the_broken_parameters_and_exits_1(
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    in_process: Callable[..., tuple[int, str, str]],
+) -> None:
+    namespace: dict[str, Any] = {}
+    exec(BROKEN.replace("Materializer._write = _broken", ""), namespace)
+    monkeypatch.setattr(namespace["Materializer"], "_write", namespace["_broken"])
+    (tmp_path / "plain.py").write_text(FACTORY)
+    code, out, err = in_process(f"{tmp_path / 'plain.py'}:factory", "--json")
+    assert code == 1, err
+    data = json.loads(out)
     assert data["ok"] is False and data["mismatched"] == ["0.weight", "2.bias"]
     rows = {p["name"]: p for p in data["parameters"]}
     assert rows["0.weight"]["max_abs"] == pytest.approx(1.0, rel=1e-6)
     assert rows["0.bias"]["max_abs"] == 0.0 and rows["0.bias"]["ok"] is True
 
 
-def test_cli_json_options_and_a_dotted_module_returning_a_tuple(tmp_path: pathlib.Path) -> None:
-    (tmp_path / "mymodels.py").write_text(
+@pytest.fixture
+def in_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Iterator[Callable[..., tuple[int, str, str]]]:
+    """Run the command's ``main`` in this process (no interpreter start-up): exit code, stdout,
+    stderr. ``sys.path`` is restored and the factories' modules forgotten afterwards."""
+    from fakegrad_patch import _verify_cli
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+
+    def run(*args: str, cwd: pathlib.Path | None = None) -> tuple[int, str, str]:
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        code = _verify_cli.main(list(args))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    yield run
+    for name in set(sys.modules) - before:  # the factories' modules, not torch's lazy imports
+        if name.startswith(("_fakegrad_verify_", "fgp_")):
+            del sys.modules[name]
+
+
+def test_cli_json_options_and_a_dotted_module_returning_a_tuple(
+    tmp_path: pathlib.Path, in_process: Callable[..., tuple[int, str, str]]
+) -> None:
+    (tmp_path / "fgp_cli_models.py").write_text(
         "import functools, torch\n"
         "def build():\n"
         "    torch.manual_seed(0)\n"
         "    m = torch.nn.Linear(3, 2)\n"
         "    return m, torch.randn(4, 3), None, functools.partial(torch.optim.SGD, lr=0.1)\n"
     )
-    out = _verify("mymodels:build", "--json", "--steps", "3", "--zero-grad", "never", cwd=tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
-    data = json.loads(out.stdout)
+    code, out, err = in_process(
+        "fgp_cli_models:build", "--json", "--steps", "3", "--zero-grad", "never", cwd=tmp_path
+    )
+    assert code == 0, out + err
+    data = json.loads(out)
     assert (data["ok"], data["steps"], data["zero_grad"], data["optimizer"]) == (
         True,
         3,
@@ -125,25 +170,31 @@ def test_cli_json_options_and_a_dotted_module_returning_a_tuple(tmp_path: pathli
         ("{file}:missing", "x = 1\n", "has no attribute 'missing'"),
         ("{file}:f", "def f():\n    raise RuntimeError('boom')\n", "failed: RuntimeError: boom"),
         ("{file}:f", "def f():\n    return 42\n", "must return (model, inputs"),
+        ("{file}:f", "def f():\n    return {'model': 1, 'input': 2}\n", "unknown keys ['input']"),
         (
             "{file}:f",
             "import torch\ndef f():\n    with torch.device('meta'):\n"
             "        return torch.nn.Linear(2, 2), torch.randn(1, 2)\n",
             "meta device",
         ),
-        ("no_such_module_xyz:f", None, "cannot import 'no_such_module_xyz'"),
+        ("{file}:f", "import torch\ndef f():\n    return 'm', 1\n", "must be a torch.nn.Module"),
+        ("fgp_no_such_module_xyz:f", None, "cannot import 'fgp_no_such_module_xyz'"),
     ],
 )
 def test_cli_exits_2_when_it_cannot_compare(
-    tmp_path: pathlib.Path, spec: str, body: str | None, message: str
+    tmp_path: pathlib.Path,
+    in_process: Callable[..., tuple[int, str, str]],
+    spec: str,
+    body: str | None,
+    message: str,
 ) -> None:
     path = tmp_path / "case.py"
     if body is not None:
         path.write_text(body)
-    out = _verify(spec.format(file=path), cwd=tmp_path)
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert message in out.stderr
-    assert out.stdout == ""
+    code, out, err = in_process(spec.format(file=path), cwd=tmp_path)
+    assert code == 2, out + err
+    assert message in err
+    assert out == ""
 
 
 def test_verify_is_listed_in_the_command_usage() -> None:
@@ -238,13 +289,13 @@ EXAMPLES = [b for b in _doc_blocks("python") if b.startswith("# ") and ".py:" in
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda b: b.split()[1].rstrip(":"))
 def test_docs_copy_paste_examples_pass_through_the_command(
-    tmp_path: pathlib.Path, example: str
+    tmp_path: pathlib.Path, in_process: Callable[..., tuple[int, str, str]], example: str
 ) -> None:
     name = example.split()[1].rstrip(":")
     (tmp_path / name).write_text(example)
-    out = _verify(f"{name}:factory", cwd=tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.splitlines()[2].startswith("verdict: OK, ")
+    code, out, err = in_process(f"{name}:factory", cwd=tmp_path)
+    assert code == 0, out + err
+    assert out.splitlines()[2].startswith("verdict: OK, ")
     assert "torchvision" not in example.replace("no torchvision", "")
     assert "transformers" not in example.replace("no transformers", "")
 
@@ -272,10 +323,12 @@ PASTED = [b for b in _doc_blocks("") if b.startswith("fakegrad_patch verify: ")]
 
 
 @pytest.mark.parametrize("pasted", PASTED, ids=lambda b: b.split()[2].rstrip(","))
-def test_docs_pasted_reports_are_what_the_command_prints(pasted: str) -> None:
+def test_docs_pasted_reports_are_what_the_command_prints(
+    in_process: Callable[..., tuple[int, str, str]], pasted: str
+) -> None:
     command = DOC[: DOC.index(pasted)].rsplit("python -m fakegrad_patch verify ", 1)[1]
     spec = command.split("`")[0].split()[0]
-    out = _verify(spec)
-    assert out.returncode == (0 if "verdict: OK" in pasted else 1), out.stderr
-    assert _shape(out.stdout) == _shape(pasted)
+    code, out, err = in_process(spec, cwd=ROOT)
+    assert code == (0 if "verdict: OK" in pasted else 1), err
+    assert _shape(out) == _shape(pasted)
     assert len(PASTED) == 2
