@@ -286,10 +286,13 @@ class _Run:
         if lp is None:
             self.general.append(f"step {step}: the patched loss has no real values")
         elif le is not None and not _close_scalar(le, lp, loss_e.dtype, self.atol, self.rtol):
-            self.general.append(
-                f"step {step}: loss differs from eager ({lp!r} vs {le!r}): the forward values "
-                "under the fake mode are wrong, so every gradient below is suspect"
+            why = (
+                "the forward values under the fake mode are wrong, so every gradient is suspect"
+                if step == 1
+                else "the forward values under the fake mode are wrong, or the differences of "
+                "earlier steps changed the parameters"
             )
+            self.general.append(f"step {step}: loss differs from eager ({lp!r} vs {le!r}): {why}")
         for name, row in self.rows.items():
             pe, pp = self.e_params[name], self.p_params[name]
             ge, gp = self._kind(pe.grad), self._kind(pp.grad)

@@ -17,7 +17,7 @@ import torch._functorch.config as functorch_config
 from torch import nn
 
 import fakegrad_patch
-from fakegrad_patch import _leaves, trace
+from fakegrad_patch import _leaves, _probes, trace
 from fakegrad_patch._accumulate import Materializer
 from fakegrad_patch._verify import DEFAULT_TOLERANCES, VerifyError
 
@@ -201,17 +201,24 @@ def _not_patched(**_: Any) -> Iterator[None]:
 
 
 @pytest.mark.filterwarnings("ignore::fakegrad_patch.FakeGradPatchWarning")
+@pytest.mark.parametrize("name", list(_zoo.ZOO))
 def test_every_parameter_is_reported_when_the_patch_is_absent(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    """Upstream torch (D1): FakeTensors land in ``.grad``; verify names every parameter."""
+    """Upstream torch (D1): FakeTensors land in ``.grad``; verify names every parameter of every
+    zoo model (so each zoo test above can fail)."""
     monkeypatch.setattr(fakegrad_patch, "patched", _not_patched)
-    case = _zoo.mlp()
+    case = _zoo.ZOO[name]("cpu")
     names = [n for n, _ in case["model"].named_parameters()]
     report = _run(case, steps=1)
     assert report.mismatched == names
     assert all(p.grad == "fake" and p.eager_grad == "real" for p in report.parameters)
     assert all(any("FakeTensor was left" in x for x in p.problems) for p in report.parameters)
+    # D2 builds (2.13): the unpatched forward reads uninitialised parameter values
+    applied = fakegrad_patch._patch.current()
+    assert applied is not None
+    loss_differs = any(x.startswith("step 1: loss differs") for x in report.general_problems)
+    assert loss_differs == applied.probes.has(_probes.D2)
 
 
 @pytest.mark.filterwarnings("ignore::fakegrad_patch.FakeGradPatchWarning")  # warned once/process
