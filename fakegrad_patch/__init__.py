@@ -95,6 +95,7 @@ __all__ = [
     "settings",
     "status",
     "uninstall",
+    "verify",
 ]
 
 __version__ = "0.1.0"
@@ -161,6 +162,41 @@ def mirror_to_sources(mode: Any) -> contextlib.AbstractContextManager[None]:
     from ._fakeleaves import mirror_to_sources as _mirror_to_sources
 
     return _mirror_to_sources(mode)
+
+
+def verify(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    loss_fn: Any = None,
+    *,
+    steps: int = 1,
+    optimizer: Any = None,
+    zero_grad: str = "none",
+    atol: Any = None,
+    rtol: Any = None,
+    check_buffers: bool | str = True,
+) -> Any:
+    """Prove the patch on your model: train a deep copy eagerly and a deep copy under
+    ``FakeTensorMode(allow_non_fake_inputs=True)`` with real-value propagation and the patch, with
+    the same random numbers, for ``steps`` steps (``optimizer``: a factory called with the copy's
+    parameters), and return a report comparing every named parameter (gradient real or fake,
+    max abs/rel difference, dtype, device, strides, ``.grad`` identity across steps, values after
+    the step, what the patch did). ``report.ok`` is the verdict, ``report.format()`` the table,
+    ``report.assert_ok()`` raises with it. Your model, RNG state, patch state and settings are
+    left unchanged. See docs/verify.md."""
+    from ._verify import verify as _verify
+
+    return _verify(
+        model,
+        example_inputs,
+        loss_fn,
+        steps=steps,
+        optimizer=optimizer,
+        zero_grad=zero_grad,  # type: ignore[arg-type]
+        atol=atol,
+        rtol=rtol,
+        check_buffers=check_buffers,  # type: ignore[arg-type]
+    )
 
 
 def __getattr__(name: str) -> Any:

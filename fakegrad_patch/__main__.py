@@ -18,6 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "report versions, start-up hook, targets, defects, status",
     ),
     "trace": ("fakegrad_patch._trace_reader", "summarize trace files (JSONL)"),
+    "verify": (
+        "fakegrad_patch._verify_cli",
+        "train your model eagerly and patched under FakeTensorMode, compare every gradient",
+    ),
     "sitecustomize": ("fakegrad_patch._sitecustomize", "print or append the sitecustomize line"),
 }
 

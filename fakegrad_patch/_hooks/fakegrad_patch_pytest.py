@@ -9,6 +9,9 @@
   teardown makes that phase an error. Mark a test ``@pytest.mark.fakegrad_allow`` to exempt it
   (tests that exercise those policies on purpose). If the patch could not be applied to this
   torch at all, the session fails.
+* fixture ``fakegrad_verify``: ``fakegrad_verify(model, inputs, loss_fn=None, **options)`` runs
+  ``fakegrad_patch.verify`` and fails the test with the report when the patched run differs from
+  eager; returns the report.
 
 Without those options, and unless a test asks for the fixture, the plugin does nothing: this
 module imports neither fakegrad_patch (whose import installs the patch) nor torch nor structlog,
@@ -18,7 +21,8 @@ and the hooks below return at once. It ships as the top-level module ``fakegrad_
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+import sys
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
@@ -173,3 +177,32 @@ def fakegrad_events() -> Iterator[list[dict[str, Any]]]:
 
     with trace.capture(trace.DEBUG) as captured:
         yield captured
+
+
+@pytest.fixture
+def fakegrad_verify() -> Iterator[Callable[..., Any]]:
+    """``fakegrad_verify(model, example_inputs, loss_fn=None, **options) -> report``.
+
+    Runs ``fakegrad_patch.verify`` (same arguments) and fails the test with the formatted report
+    (problems first) when the patched run differs from eager in any way. The patch state is as
+    before the test afterwards (importing fakegrad_patch installs the patch; if this fixture
+    caused that import, it uninstalls at teardown).
+    """
+    imported_before = "fakegrad_patch" in sys.modules
+    import fakegrad_patch
+
+    wanted_before = imported_before and fakegrad_patch.status()["wanted"]
+
+    def check(model: Any, example_inputs: Any, loss_fn: Any = None, **options: Any) -> Any:
+        __tracebackhide__ = True
+        report = fakegrad_patch.verify(model, example_inputs, loss_fn, **options)
+        if not report.ok:
+            pytest.fail(
+                "fakegrad_patch.verify: the patched run differs from eager\n" + report.format(),
+                pytrace=False,
+            )
+        return report
+
+    yield check
+    if not wanted_before:
+        fakegrad_patch.uninstall()
