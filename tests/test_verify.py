@@ -21,19 +21,14 @@ from fakegrad_patch import _leaves, _probes, trace
 from fakegrad_patch._accumulate import Materializer
 from fakegrad_patch._verify import DEFAULT_TOLERANCES, VerifyError
 
-#: Zoo models the core does not handle yet: name -> the exact failure (xfail strict, so the lead
-#: sees it pass once fixed).
+#: Zoo models the patch cannot make match eager: name -> the exact failure (xfail strict, so a fix
+#: shows). Documented in docs/compatibility.md (buffers updated in place inside the mode).
 KNOWN_CORE_FAILURES = {
     "spectral_norm": (
         "spectral_norm's power iteration updates its _u/_v buffers in place inside the fake mode; "
         "torch does not write them back to the real buffers, so from step 2 the patched copy "
         "normalizes with stale vectors: gradient of 0.parametrizations.weight.original differs "
         "(max rel ~9e-2 at step 2, both builds)"
-    ),
-    "sparse_embedding": (
-        "sparse gradients are not supported by the core: materializing the sparse gradient of "
-        "0.weight raises 'copy_() between dense and sparse Tensors is not implemented' "
-        "(internal_error, materialize), the parameter is left without a gradient (both builds)"
     ),
 }
 
