@@ -96,6 +96,8 @@ __all__ = [
     "status",
     "uninstall",
     "verify",
+    "VerifyError",
+    "VerifyReport",
 ]
 
 __version__ = "0.1.0"
@@ -205,6 +207,10 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module(".trace", __name__)
+    if name in ("VerifyError", "VerifyReport"):  # torch-dependent: imported on first use
+        from . import _verify
+
+        return getattr(_verify, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -595,3 +595,30 @@ def test_stands_aside_on_a_build_without_d1(monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.undo()
         _patch._state.prepared = None
         fakegrad_patch.install()
+
+
+# -- the pre-hook sees every fake gradient (issue 12: 2.15 accumulates into input buffers) -------
+
+
+@propagating
+@pytest.mark.parametrize("uses", [2, 5])
+def test_gradients_summed_in_the_engine_input_buffer_still_reach_the_pre_hook(uses: int) -> None:
+    """A leaf used ``uses`` times: the engine sums the incoming gradients in its input buffer
+    before AccumulateGrad runs (2.15 can even accumulate into that buffer in place). The pre-hook
+    must still see the one summed fake gradient: exactly one interception per leaf per backward,
+    and the eager value."""
+    w = torch.randn(4, requires_grad=True)
+    r = w.detach().clone().requires_grad_()
+
+    def run(t: torch.Tensor) -> None:
+        sum((t * (i + 1)).sin() for i in range(uses)).sum().backward()
+
+    with fakegrad_patch.trace.capture("info") as events, fake_mode():
+        run(w)
+        run(w)
+    run(r)
+    run(r)
+    grads = [e for e in events if e["event"].startswith("fake_grad_")]
+    assert [e["action"] for e in grads] == ["set", "accumulate"]
+    assert is_real(w.grad)
+    torch.testing.assert_close(w.grad, r.grad)
