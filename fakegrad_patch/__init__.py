@@ -85,6 +85,8 @@ __all__ = [
     "FakeGradPatchWarning",
     "OnMissing",
     "Settings",
+    "VerifyError",
+    "VerifyReport",
     "configure",
     "install",
     "is_installed",
@@ -96,8 +98,6 @@ __all__ = [
     "status",
     "uninstall",
     "verify",
-    "VerifyError",
-    "VerifyReport",
 ]
 
 __version__ = "0.1.0"
