@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import _config, trace
+from . import _config, _leaves, trace
 from ._errors import FakeGradError
 from ._targets import Resolved
 
@@ -330,19 +330,14 @@ class Materializer:
             return
         if getattr(self._calibration, "seen", None) is not None:
             return  # the calibration probe's own leaf
-        from . import _leaves
-
-        trace.emit(
-            "fake_grad_" + outcome.action,
-            level,
-            backward_id=self.backward_id(),
-            **_leaves.leaf_fields(leaf),
-            source=outcome.source,
-            action=outcome.action,
-            zero_copy=outcome.zero_copy,
-            bytes=outcome.bytes_copied,
-            duration_us=round((time.perf_counter() - start) * 1e6, 1),
-        )
+        fields = _leaves.leaf_fields(leaf)
+        fields["backward_id"] = self.backward_id()
+        fields["source"] = outcome.source
+        fields["action"] = outcome.action
+        fields["zero_copy"] = outcome.zero_copy
+        fields["bytes"] = outcome.bytes_copied
+        fields["duration_us"] = round((time.perf_counter() - start) * 1e6, 1)
+        trace.emit_fields("fake_grad_" + outcome.action, level, fields)
 
     def backward_id(self) -> int | None:
         getter = self._r.graph_task_id

@@ -211,12 +211,24 @@ def name_of(leaf: torch.Tensor) -> str | None:
     return _names.get(leaf)
 
 
+#: str() of dtypes and devices, cached: formatting them is most of what describing a leaf costs
+_dtype_names: dict[torch.dtype, str] = {}
+_device_names: dict[torch.device, str] = {}
+
+
 def leaf_fields(leaf: torch.Tensor) -> dict[str, Any]:
     """How trace events describe a real leaf: id, registered name, shape, dtype, device."""
+    dtype, device = leaf.dtype, leaf.device
+    dtype_name = _dtype_names.get(dtype)
+    if dtype_name is None:
+        dtype_name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    device_name = _device_names.get(device)
+    if device_name is None:
+        device_name = _device_names[device] = str(device)
     return {
         "leaf_id": id(leaf),
-        "name": _names.get(leaf),
+        "name": _names.get(leaf) if _names else None,
         "shape": list(leaf.shape),
-        "dtype": str(leaf.dtype).removeprefix("torch."),
-        "device": str(leaf.device),
+        "dtype": dtype_name,
+        "device": device_name,
     }
