@@ -278,6 +278,7 @@ def test_internal_error_event(monkeypatch: pytest.MonkeyPatch) -> None:
         def on_fake_grad(self, leaf: Any, grad: Any) -> None:
             raise RuntimeError("boom")
 
+    applied.arming()  # first-need probes and calibration run with the real materializer
     monkeypatch.setattr(applied, "materializer", Broken())
     model = _model()
     with warnings.catch_warnings(), trace.capture("error") as captured:
