@@ -304,7 +304,16 @@ def torch_checks() -> dict[str, Any]:
         result["defects_error"] = f"{type(exc).__name__}: {exc}"
     result["status"] = fakegrad_patch.status()
     result["checked_on"] = list(_targets.CHECKED_ON)
+    result["known_limits"] = list(KNOWN_LIMITS)
     return result
+
+
+#: Upstream behaviours the patch does not change (docs/compatibility.md, "Known limits").
+KNOWN_LIMITS = (
+    "real buffers updated in place inside the mode stay unchanged (upstream: fake computations "
+    "never mutate real inputs): BatchNorm running_mean/running_var, spectral_norm's _u/_v power "
+    "iteration (its gradients drift from the 2nd step on); see docs/compatibility.md",
+)
 
 
 def problems(report: dict[str, Any]) -> list[str]:
@@ -474,8 +483,15 @@ def render(report: dict[str, Any]) -> str:
                 + (", ".join(found) if found else "none detected")
                 + f" (probed: {', '.join(checks['defects'])})"
             )
+            if checks["defects"].get("D1_fake_grad_in_real_leaf") is False:
+                out.append(
+                    "D1 absent: upstream writes real gradients itself; the patch arms nothing"
+                )
         elif checks.get("defects_error"):
             out.append(f"upstream defects: probes could not run: {checks['defects_error']}")
+        if checks.get("known_limits"):
+            out.append("known limits (not changed by the patch):")
+            out += [f"  - {limit}" for limit in checks["known_limits"]]
     else:
         out.append(f"torch: not importable ({checks['torch_error']})")
     s = checks["status"]

@@ -268,3 +268,21 @@ def test_not_installed_with_the_variable_on_is_a_problem(monkeypatch: pytest.Mon
     report = _doctor.collect()
     assert any("not installed" in p for p in report["problems"]), report["problems"]
     assert report["ok"] is False
+
+
+# -- what the patch does not change, and standing aside (issues 10 and 12) ------------------------
+
+
+def test_doctor_lists_the_known_limits() -> None:
+    report = _doctor.collect()
+    rendered = _doctor.render(report)
+    assert "known limits" in rendered and "spectral_norm" in rendered
+    assert report["checks"]["known_limits"]
+
+
+def test_doctor_says_when_upstream_is_fixed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fakegrad_patch import _probes
+
+    monkeypatch.setitem(_probes._results, _probes.D1.key, False)
+    rendered = _doctor.render(_doctor.collect())
+    assert "D1 absent" in rendered and "arms nothing" in rendered
