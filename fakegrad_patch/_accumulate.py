@@ -93,24 +93,24 @@ class Outcome:
 @dataclass(frozen=True)
 class AdoptBaseline:
     """Reference counts seen on the zero-copy test for a gradient that provably nobody else
-    holds: the fake gradient (TensorImpl uses, Python references) and its propagated buffer
-    (TensorImpl uses, Python references, StorageImpl uses). Measured by a calibration probe through
-    the real hook path on the running build and Python (``_Applied.calibrate``), never assumed:
-    anything above these means someone else can see the buffer, and we copy."""
+    holds: the fake gradient autograd hands to AccumulateGrad (TensorImpl uses, Python references)
+    and its propagated buffer (TensorImpl uses, Python references). Measured by a calibration probe
+    through the real hook path on the running build and Python (``_Applied._calibrate``), never
+    assumed: anything above these means someone else can see the gradient or the buffer, and we
+    copy. Like AccumulateGrad (``is_tensor_stealable``), storage shared by a view is not a reason
+    to copy: the propagated computation aliases exactly where the eager one does."""
 
     fake_uses: int
     fake_refs: int
     real_uses: int
     real_refs: int
-    storage_uses: int
 
-    def admits(self, counts: tuple[int, int, int, int, int]) -> bool:
+    def admits(self, counts: tuple[int, int, int, int]) -> bool:
         return (
             counts[0] <= self.fake_uses
             and counts[1] <= self.fake_refs
             and counts[2] <= self.real_uses
             and counts[3] <= self.real_refs
-            and counts[4] <= self.storage_uses
         )
 
 
@@ -148,10 +148,10 @@ class Materializer:
     # -- calibration (see AdoptBaseline) -------------------------------------------------------
 
     @contextlib.contextmanager
-    def calibrating(self) -> Iterator[list[tuple[int, int, int, int, int]]]:
+    def calibrating(self) -> Iterator[list[tuple[int, int, int, int]]]:
         """Inside the block (this thread), the zero-copy test records its counts into the yielded
         list and refuses (so the probe's gradients are copies) and nothing is traced."""
-        seen: list[tuple[int, int, int, int, int]] = []
+        seen: list[tuple[int, int, int, int]] = []
         self._calibration.seen = seen
         try:
             yield seen
@@ -283,16 +283,15 @@ class Materializer:
     ) -> bool:
         """May ``value`` become ``leaf.grad`` as is? AccumulateGrad's own test
         (``is_tensor_stealable`` on the gradient it is handed) applied to the fake gradient *and*
-        to its propagated buffer: device, dtype and layout contract already match, no view, and
-        nobody but the fake gradient autograd hands us holds either (reference counts no higher
-        than the calibrated baseline). Anything unproven: copy."""
+        to its propagated buffer: device, dtype and layout contract already match, and nobody but
+        the fake gradient autograd hands us holds either (reference counts no higher than the
+        calibrated baseline). Anything unproven: copy."""
         if not (
             type(value) is torch.Tensor
             and value.device == leaf.device
             and value.dtype == dtype
             and value.shape == leaf.shape
             and not value.requires_grad
-            and value._base is None
             and obeys_layout_contract(value, leaf)
         ):
             return False
@@ -306,7 +305,6 @@ class Materializer:
             sys.getrefcount(grad),
             r.tensor_use_count(value),
             sys.getrefcount(value),
-            r.storage_use_count(value),
         )
         if seen is not None:
             seen.append(counts)

@@ -135,15 +135,6 @@ TENSOR_USE_COUNT = Target(
     "zero-copy set path: AccumulateGrad's stealable test",
 )
 
-#: CALLED. StorageImpl reference count. A propagated buffer may share its storage with another
-#: tensor without being a view (``detach()``, ``set_``): before taking a buffer over as ``.grad``
-#: we require that nothing but the buffer itself holds its storage (calibrated by a probe).
-STORAGE_USE_COUNT = Target(
-    "torch._C",
-    "_storage_Use_Count",
-    "zero-copy set path: nothing else shares the propagated buffer's storage",
-)
-
 #: CALLED, OPTIONAL. torch's own "is this a fake tensor" test (2.14+: also true for the coming C++
 #: FakeTensor, which an ``isinstance(x, FakeTensor)`` test would not see). Fallback: isinstance.
 IS_FAKE_TENSOR = Target(
@@ -188,7 +179,6 @@ ALL_TARGETS: tuple[Target, ...] = (
     TLS_INCLUDE_SET,
     TLS_EXCLUDE_SET,
     TENSOR_USE_COUNT,
-    STORAGE_USE_COUNT,
     IS_FAKE_TENSOR,
     MAYBE_GET_REAL_TENSOR,
     POST_ACCUMULATE_HOOKS,
@@ -266,7 +256,6 @@ class Resolved:
     graph_task_id: Callable[[], int] | None
     grad_accumulator: Callable[[Any], Any]
     tensor_use_count: Callable[[Any], int]
-    storage_use_count: Callable[[Any], int]
     is_fake: Callable[[Any], bool]
     real_of: Callable[[Any], Any]
     post_accumulate_hooks: Callable[[Any], Any]
@@ -281,7 +270,6 @@ def resolve_all() -> Resolved:
     module = importlib.import_module(FAKE_TENSOR_MODULE)
     disable_current_modes = resolve(DISABLE_CURRENT_MODES)
     fake_cls = resolve(FAKE_TENSOR)
-    storage_count = resolve(STORAGE_USE_COUNT)
     return Resolved(
         fake_tensor_module=module,
         converter_cls=module.FakeTensorConverter,
@@ -294,7 +282,6 @@ def resolve_all() -> Resolved:
         grad_accumulator=_make_grad_accumulator_getter(),
         ordinary_dispatch=_make_ordinary_dispatch(),
         tensor_use_count=resolve(TENSOR_USE_COUNT),
-        storage_use_count=lambda t: storage_count(t.untyped_storage()._cdata),
         is_fake=_make_is_fake(fake_cls),
         real_of=_make_real_of(),
         post_accumulate_hooks=lambda leaf: getattr(leaf, "_post_accumulate_grad_hooks", None),
