@@ -366,11 +366,13 @@ def merged_table(results: list[dict[str, object]]) -> str:
         f"| scenario (propagation on unless said) | {header} |",
         "|---|" + "---|" * len(results),
     ]
-    applied = []
+    applied, notes = [], []
     for r in results:
         patch = r["patch"]
         skipped = patch.get("skipped") if isinstance(patch, dict) else None
-        applied.append("yes" if not skipped else f"**no** (warns: {skipped})")
+        applied.append("yes" if not skipped else "**no**: warns once, torch unchanged")
+        if skipped:
+            notes.append(f"* {_build_label(r)}: not patched: {skipped}")
     lines.append("| patch applies | " + " | ".join(applied) + " |")
     for name in names:
         cells = []
@@ -378,7 +380,7 @@ def merged_table(results: list[dict[str, object]]) -> str:
             up, patched = build.get(name, ["not run", "not run"])
             cells.append(f"{up} → **{patched}**" if up != patched else f"{up} → same")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
 def main(argv: list[str] | None = None) -> None:
