@@ -1,13 +1,28 @@
-"""Print the compatibility table of docs/compatibility.md for the installed torch.
+"""The scenario table of docs/compatibility.md: one torch build per run, merged across builds.
 
-Run: ``python tests/compat_matrix.py`` (not collected by pytest). Each scenario runs twice in one
-process, with fakegrad_patch uninstalled (upstream) and installed, propagation on unless the
-scenario says otherwise, and is compared with an eager run of the same program.
+Not collected by pytest. Each scenario runs twice in one process, with fakegrad_patch uninstalled
+(upstream) and installed, propagation on unless the scenario says otherwise, and is compared with
+an eager run of the same program.
+
+One build (the interpreter's torch; the worktree first on the path)::
+
+    PYTHONPATH=$PWD /work/venvs/c-2.4.1/bin/python tests/compat_matrix.py --json compat/2.4.1.json
+
+prints that build's table and saves it. Then, with any of those interpreters::
+
+    python tests/compat_matrix.py --merge compat/*.json
+
+prints the builds x scenarios table pasted into docs/compatibility.md (cells: upstream -> patched).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
+import json
+import pathlib
+import platform
 import threading
 import warnings
 from collections.abc import Callable
@@ -196,11 +211,18 @@ def _checkpoint(reentrant: bool) -> Callable[[], str]:
     return run
 
 
+def _propagation(on: bool) -> contextlib.AbstractContextManager[object]:
+    """Propagation on/off for a block; a no-op on builds without the flag (nothing propagates)."""
+    if not hasattr(functorch_config, "fake_tensor_propagate_real_tensors"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(fake_tensor_propagate_real_tensors=on)
+
+
 def threads() -> str:
     out: list[str] = []
 
     def work() -> None:
-        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+        with _propagation(True):
             out.append(linear())
 
     ts = [threading.Thread(target=work) for _ in range(3)]
@@ -211,15 +233,59 @@ def threads() -> str:
     return ", ".join(sorted(set(out)))
 
 
+def post_accumulate_hook() -> str:
+    """What a ``register_post_accumulate_grad_hook`` sees (torch <= 2.6: never runs under the
+    patch, because a node pre-hook returning ``(None,)`` also skips the leaf's post hooks)."""
+    model, x = _mlp(), torch.randn(4, 8)
+    seen: list[str] = []
+
+    def hook(p: torch.Tensor) -> None:
+        seen.append("FakeTensor" if isinstance(p.grad, FakeTensor) else "real")
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    with _mode():
+        model(x).sum().backward()
+    return f"ran {len(seen)}/4, saw {', '.join(sorted(set(seen))) or '-'}"
+
+
+def _policy(on_missing: str) -> Callable[[], str]:
+    def run() -> str:
+        previous = fakegrad_patch.settings().on_missing
+        fakegrad_patch.configure(on_missing=on_missing)  # type: ignore[arg-type]
+        try:
+            with _propagation(False):
+                model, x = _mlp(), torch.randn(4, 8)
+                with _mode():
+                    model(x).sum().backward()
+                grads = [p.grad for p in model.parameters()]
+                if any(g is None for g in grads):
+                    return "None"
+                if all(isinstance(g, FakeTensor) for g in grads):
+                    return "FakeTensor"
+                if all(not isinstance(g, FakeTensor) and not g.any() for g in grads):
+                    return "real zeros"
+                return "mixed"
+        except fakegrad_patch.FakeGradError:
+            return "raises FakeGradError"
+        finally:
+            fakegrad_patch.configure(on_missing=previous)
+
+    return run
+
+
 def propagation_off() -> str:
-    with functorch_config.patch(fake_tensor_propagate_real_tensors=False):
+    with _propagation(False):
         return prior_grad()
 
 
 def parameter_real_tensor() -> str:
     values = torch.randn(16, 16)
     fake = FakeTensorMode().from_tensor(torch.nn.Parameter(values.clone()))
-    return "correct" if torch.equal(fake.real_tensor, values) else "uninitialised (D2)"
+    real = getattr(fake, "real_tensor", None)
+    if real is None:
+        return "no real_tensor"
+    return "correct" if torch.equal(real, values) else "uninitialised (D2)"
 
 
 SCENARIOS: list[tuple[str, Callable[[], str]]] = [
@@ -238,27 +304,98 @@ SCENARIOS: list[tuple[str, Callable[[], str]]] = [
     ("checkpoint, non-reentrant", _checkpoint(False)),
     ("checkpoint, reentrant", _checkpoint(True)),
     ("3 threads, own modes", threads),
+    ("post-accumulate grad hooks", post_accumulate_hook),
     ("propagation off, prior grad (default policy)", propagation_off),
+    ('propagation off, `on_missing="zeros"`', _policy("zeros")),
+    ('propagation off, `on_missing="error"`', _policy("error")),
+    ('propagation off, `on_missing="keep"`', _policy("keep")),
 ]
 
 
-def main() -> None:
+def measure() -> dict[str, object]:
+    """Run every scenario upstream and patched on this build."""
     rows = []
+    applied: dict[str, object] = {}
     for name, run in SCENARIOS:
         cells = []
         for installed in (False, True):
             (fakegrad_patch.install if installed else fakegrad_patch.uninstall)()
+            if installed and not applied:
+                status = fakegrad_patch.status()
+                applied = {"installed": status["installed"], "skipped": status["skipped_reason"]}
             try:
-                with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+                with _propagation(True):
                     cells.append(run())
             except Exception as exc:
                 cells.append(f"raises {type(exc).__name__}")
-        rows.append((name, *cells))
-    print(f"torch {torch.__version__}\n")
-    print("| scenario (propagation on unless said) | upstream | with fakegrad_patch |")
-    print("|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+        rows.append([name, *cells])
+    fakegrad_patch.uninstall()
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "propagation_flag": hasattr(functorch_config, "fake_tensor_propagate_real_tensors"),
+        "patch": applied,
+        "rows": rows,
+    }
+
+
+def _build_label(result: dict[str, object]) -> str:
+    return f"{result['torch']} (py {'.'.join(str(result['python']).split('.')[:2])})"
+
+
+def single_table(result: dict[str, object]) -> str:
+    lines = [
+        f"torch {result['torch']}, Python {result['python']}, patch {result['patch']}",
+        "",
+        "| scenario (propagation on unless said) | upstream | with fakegrad_patch |",
+        "|---|---|---|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in result["rows"]]  # type: ignore[attr-defined]
+    return "\n".join(lines)
+
+
+def merged_table(results: list[dict[str, object]]) -> str:
+    """Scenarios down, builds across; a cell reads ``upstream → patched``."""
+    results = sorted(
+        results, key=lambda r: tuple(int(p) for p in str(r["torch"]).split("+")[0].split("."))
+    )
+    names = [row[0] for row in results[0]["rows"]]  # type: ignore[index]
+    by_build = [{row[0]: row[1:] for row in r["rows"]} for r in results]  # type: ignore[attr-defined]
+    header = " | ".join(map(_build_label, results))
+    lines = [
+        f"| scenario (propagation on unless said) | {header} |",
+        "|---|" + "---|" * len(results),
+    ]
+    applied, notes = [], []
+    for r in results:
+        patch = r["patch"]
+        skipped = patch.get("skipped") if isinstance(patch, dict) else None
+        applied.append("yes" if not skipped else "**no**: warns once, torch unchanged")
+        if skipped:
+            notes.append(f"* {_build_label(r)}: not patched: {skipped}")
+    lines.append("| patch applies | " + " | ".join(applied) + " |")
+    for name in names:
+        cells = []
+        for build in by_build:
+            up, patched = build.get(name, ["not run", "not run"])
+            cells.append(f"{up} → **{patched}**" if up != patched else f"{up} → same")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=pathlib.Path, help="also save this build's results here")
+    parser.add_argument("--merge", nargs="+", type=pathlib.Path, help="print the merged table")
+    args = parser.parse_args(argv)
+    if args.merge:
+        print(merged_table([json.loads(p.read_text()) for p in args.merge]))
+        return
+    result = measure()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(single_table(result))
 
 
 if __name__ == "__main__":

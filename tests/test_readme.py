@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import configparser
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -31,9 +34,63 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert len(commands) == 2, commands  # exactly two commands for a new user
     demo, suite = commands
     assert demo.endswith("tox -e demo")
-    assert "torch213" in suite and "torch214" in suite
+    envs = suite.rsplit(" -e ", 1)[1].split(",")
+    # the oldest supported build, the local CPU build, 2.14.1, the newest, the lowest wrapt and
+    # structlog, lint and the wheel/sdist check
+    assert set(envs) >= {"lint", "dist", "oldest", "torch213", "torch214", "newest", "lowest"}
     ci = (ROOT / ".ci" / "run").read_text()
     assert suite in ci.splitlines()
+
+
+def _tox_ini() -> configparser.ConfigParser:
+    ini = configparser.ConfigParser(interpolation=None)
+    ini.read(ROOT / "tox.ini")
+    return ini
+
+
+def test_every_env_the_readme_runs_exists_and_ci_runs_the_env_list() -> None:
+    ini = _tox_ini()
+    (suite,) = [b.strip() for b in _blocks("") if "tox -e lint" in b]
+    envs = suite.rsplit(" -e ", 1)[1].split(",")
+    for env in envs:
+        assert ini.has_section(f"testenv:{env}"), env
+    env_list = [e.strip() for e in ini["tox"]["env_list"].split(",")]
+    assert env_list == envs
+
+
+def test_declared_ranges_are_the_tested_ones() -> None:
+    """pyproject's torch floor is the `oldest` env's build, its newest classifier Python is
+    the newest env's first interpreter, and requires-python is the lowest interpreter used."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the other envs check it
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    ini = _tox_ini()
+    oldest = ini["testenv:oldest"]["deps"].strip()
+    assert f"torch>={oldest.split('==')[1]}" in project["dependencies"]
+    pythons = set()
+    for section in ini.sections():
+        if section.startswith("testenv:") and "base_python" in ini[section]:
+            first = ini[section]["base_python"].split(",")[0].strip()
+            pythons.add(first.removeprefix("python"))
+    classified = {
+        c.rsplit(" :: ", 1)[1]
+        for c in project["classifiers"]
+        if c.startswith("Programming Language :: Python :: 3.")
+    }
+    assert pythons <= classified, (pythons, classified)
+    lowest = min(classified, key=lambda v: tuple(map(int, v.split("."))))
+    assert project["requires-python"] == f">={lowest}"
+
+
+def test_ci_does_not_hide_failures() -> None:
+    """`set -e` and no `|| true`/ignored commands: pytest's exit 5 must reach CI."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in ci
+    assert "|| true" not in ci
+    ini = (ROOT / "tox.ini").read_text()
+    assert "ignore_outcome" not in ini and "ignore_errors" not in ini
+    for line in ini.splitlines():
+        assert not line.strip().startswith("- "), line  # tox's "ignore this exit code" prefix
 
 
 def test_readme_example_runs_and_ends_with_eager_gradients(tmp_path: pathlib.Path) -> None:
