@@ -79,6 +79,8 @@ except ModuleNotFoundError as _exc:
 if TYPE_CHECKING:
     import torch
 
+    from . import trace as trace
+
 __all__ = [
     "ON_MISSING_VALUES",
     "FakeGradError",

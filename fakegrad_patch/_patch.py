@@ -90,7 +90,7 @@ def _apply_now() -> None:
         _state.applied = _Applied()
         _state.skipped_reason = None
     except MissingTargetError as exc:
-        _skip(f"torch internals changed ({exc})", torch.__version__)
+        _skip(_why_missing(exc, torch.__version__), torch.__version__)
     except Exception as exc:  # never break the host
         _skip(f"unexpected {type(exc).__name__}: {exc}", torch.__version__)
     else:
@@ -102,6 +102,21 @@ def _apply_now() -> None:
                 target=FROM_REAL_TENSOR.dotted,
                 defects=_state.applied.probes.known(),
             )
+
+
+def _why_missing(exc: MissingTargetError, torch_version: str) -> str:
+    """Builds older than the oldest supported one lack propagation altogether: say that, not
+    "internals changed"."""
+    from ._targets import PROPAGATE_CONFIG, TESTED_TORCH
+
+    release = tuple(int(p) for p in torch_version.split("+")[0].split(".")[:2] if p.isdigit())
+    oldest = tuple(int(p) for p in TESTED_TORCH[0].split(".")[:2])
+    if exc.target is PROPAGATE_CONFIG or (len(release) == 2 and release < oldest):
+        return (
+            f"torch {torch_version} is older than {TESTED_TORCH[0]}, the oldest supported (no "
+            f"real-value propagation: {exc})"
+        )
+    return f"torch internals changed ({exc})"
 
 
 def _skip(reason: str, torch_version: str) -> None:
@@ -373,6 +388,15 @@ class _Applied:
         if self._real_of(fake) is None or fake.shape != grad.shape:
             return
         if fake.stride() != grad.stride() or fake.dtype != grad.dtype:
+            return
+        if self.resolved.op_ran_for_real() is not False:
+            # ``p.grad.mul_(3)`` with all-real arguments: FakeTensorMode already ran it on the
+            # real grad (upstream's constant propagation); an alias would apply it twice. Or we
+            # cannot tell. Upstream semantics for this op: the fake works on a copy (a fresh one
+            # if an earlier op of this mode made the alias: the converter memo returns that fake).
+            if fake.real_tensor is grad:
+                with self.resolved.no_dispatch():
+                    fake.real_tensor = grad.clone()
             return
         if fake.real_tensor is not grad:
             fake.real_tensor = grad

@@ -6,7 +6,10 @@ what it can (presence, call signature) and reports what is missing so the patch 
 apply instead of breaking the host program.
 
 Each target carries a banner: what it is, the torch builds it was checked on, and why we need it.
-Checked on: torch 2.13.0+cpu and torch 2.14.1+cu130 (run on CPU), Python 3.11.
+Checked on: torch 2.4.0 (Python 3.10), 2.13.0+cpu and 2.14.1+cu130 (run on CPU, Python 3.11),
+2.15.0 (Python 3.12, 3.13). Older builds (2.3.1 measured) have no real-value propagation
+(``fake_tensor_propagate_real_tensors``, ``FakeTensor.real_tensor``, ``Tensor._use_count``
+absent): the patch refuses to apply there, with one warning.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 #: torch builds the whole list below was read and tested against.
-CHECKED_ON: tuple[str, ...] = ("2.13.0+cpu", "2.14.1+cu130")
+CHECKED_ON: tuple[str, ...] = ("2.4.0", "2.13.0+cpu", "2.14.1+cu130", "2.15.0")
 
 #: Oldest and newest torch release the suite runs on in CI (inclusive). ``doctor`` reports a
 #: build outside it; pyproject.toml declares the same range.
-TESTED_TORCH: tuple[str, str] = ("2.13.0", "2.15.0")
+TESTED_TORCH: tuple[str, str] = ("2.4.0", "2.15.0")
 
 #: The module whose import makes the patch applicable (wrapt post-import hook target).
 FAKE_TENSOR_MODULE = "torch._subclasses.fake_tensor"
@@ -151,6 +154,19 @@ MAYBE_GET_REAL_TENSOR = Target(
     "optional: a fake's propagated values the way torch reads them (2.14+)",
 )
 
+#: CALLED, OPTIONAL. Whether FakeTensorMode lets an op bind Python numbers to tensors; with no fake
+#: argument such an op (``mul_(3)``, ``add_``, ``div_``) is first run *for real* on the real
+#: arguments (``FakeTensorMode._dispatch_impl``'s constant-propagation branch), then again on
+#: converted copies. Read, with the op and the argument list of the ``_dispatch_impl`` frame that
+#: converts (READ: its locals ``func`` and ``flat_arg_fake_tensors``, same names on 2.4.0, 2.13.0,
+#: 2.14.1 and 2.15.0), so that a managed real ``.grad`` is not aliased into a fake for an op that
+#: already changed it for real (it would be applied twice). Absent: never alias.
+SHOULD_ALLOW_NUMBERS = Target(
+    FAKE_TENSOR_MODULE,
+    "should_allow_numbers_as_tensors",
+    "optional: ops FakeTensorMode already runs for real on all-real arguments",
+)
+
 #: READ, OPTIONAL. The dict behind ``Tensor.register_post_accumulate_grad_hook``. Only used on
 #: builds where probe P1 finds that a pre-hook returning ``(None,)`` stops AccumulateGrad from
 #: running the leaf's post-accumulate hooks (seen on 2.6.0): we then run them ourselves.
@@ -182,12 +198,19 @@ ALL_TARGETS: tuple[Target, ...] = (
     IS_FAKE_TENSOR,
     MAYBE_GET_REAL_TENSOR,
     POST_ACCUMULATE_HOOKS,
+    SHOULD_ALLOW_NUMBERS,
     GRAPH_TASK_ID,
 )
 
 #: Targets whose absence degrades a detail instead of blocking the patch.
 OPTIONAL_TARGETS: frozenset[Target] = frozenset(
-    {GRAPH_TASK_ID, IS_FAKE_TENSOR, MAYBE_GET_REAL_TENSOR, POST_ACCUMULATE_HOOKS}
+    {
+        GRAPH_TASK_ID,
+        IS_FAKE_TENSOR,
+        MAYBE_GET_REAL_TENSOR,
+        POST_ACCUMULATE_HOOKS,
+        SHOULD_ALLOW_NUMBERS,
+    }
 )
 
 # Public, documented torch APIs we also rely on (listed for completeness; not private):
@@ -260,6 +283,7 @@ class Resolved:
     real_of: Callable[[Any], Any]
     post_accumulate_hooks: Callable[[Any], Any]
     ordinary_dispatch: Callable[[], Any]
+    op_ran_for_real: Callable[[], bool | None]
 
 
 def resolve_all() -> Resolved:
@@ -281,6 +305,7 @@ def resolve_all() -> Resolved:
         graph_task_id=_resolve_optional(GRAPH_TASK_ID),
         grad_accumulator=_make_grad_accumulator_getter(),
         ordinary_dispatch=_make_ordinary_dispatch(),
+        op_ran_for_real=_make_op_ran_for_real(module.FakeTensorMode),
         tensor_use_count=resolve(TENSOR_USE_COUNT),
         is_fake=_make_is_fake(fake_cls),
         real_of=_make_real_of(),
@@ -360,6 +385,34 @@ def _make_ordinary_dispatch() -> Callable[[], Any]:
     guard = resolve(FORCE_DISPATCH_KEY_GUARD)
     include, exclude = _ordinary_keys()
     return lambda: guard(include, exclude)
+
+
+def _make_op_ran_for_real(mode_cls: type) -> Callable[[], bool | None]:
+    """``op_ran_for_real()``, called from inside a conversion: True when the op being dispatched
+    was already run on the real arguments (no fake argument, numbers allowed as tensors), False
+    when not, None when it cannot tell (then callers keep upstream semantics)."""
+    import sys
+
+    allow = _resolve_optional(SHOULD_ALLOW_NUMBERS)
+
+    def op_ran_for_real() -> bool | None:
+        if allow is None:
+            return None
+        frame: Any = sys._getframe(1)
+        for _ in range(12):
+            if frame is None:
+                return None
+            if frame.f_code.co_name == "_dispatch_impl" and isinstance(
+                frame.f_locals.get("self"), mode_cls
+            ):
+                local = frame.f_locals
+                if "func" not in local or "flat_arg_fake_tensors" not in local:
+                    return None
+                return not local["flat_arg_fake_tensors"] and bool(allow(local["func"]))
+            frame = frame.f_back
+        return None
+
+    return op_ran_for_real
 
 
 def _resolve_optional(target: Target) -> Any:

@@ -114,7 +114,10 @@ def tiny_transformer(device: str = "cpu") -> Case:
         "model": model,
         "inputs": (tokens,),
         "loss_fn": loss_fn,
-        "optimizer": functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1),
+        # SGD, not Adam: on older builds the fake mode's propagation picks attention kernels that
+        # round differently (grads equal to ~1e-6); Adam's normalisation turns such rounding on
+        # near-zero gradients into visible parameter differences.
+        "optimizer": _sgd(lr=0.05),
         "steps": 2,
     }
 

@@ -63,23 +63,30 @@ def test_reused_user_gradient_is_never_adopted() -> None:
 
 @propagating
 @pytest.mark.parametrize("api", ["tensor.backward", "autograd.backward", "retain_graph"])
-def test_user_gradient_passed_through_every_api_is_copied(api: str) -> None:
-    w = torch.randn(2, 3, requires_grad=True)
-    ref = w.detach().clone().requires_grad_()
+def test_user_gradient_passed_through_every_api_behaves_as_in_eager(api: str) -> None:
+    """Same program, eager and fake: the leaf's grad and the user's gradient afterwards are equal,
+    including where eager itself aliases them (``view_as`` hands the user's gradient on as a view,
+    which AccumulateGrad steals: a PyTorch quirk the patch reproduces, never adds to)."""
     seed = torch.randn(2, 3)
-    with fake_mode():
-        g = seed.clone()
+
+    def run(w: torch.Tensor, g: torch.Tensor) -> None:
         for _ in range(2):
             out = w * 1.0 if api != "retain_graph" else w.view_as(w)
             if api == "autograd.backward":
                 torch.autograd.backward([out], [g])
             else:
                 out.backward(g, retain_graph=api == "retain_graph")
-    for _ in range(2):
-        (ref * 1.0).backward(seed)
+        w.grad.mul_(3)  # whatever shares memory with the grad sees this
+
+    w = torch.randn(2, 3, requires_grad=True)
+    ref = w.detach().clone().requires_grad_()
+    with fake_mode():
+        g = seed.clone()
+        run(w, g)
+    rg = seed.clone()
+    run(ref, rg)
     torch.testing.assert_close(w.grad, ref.grad)
-    w.grad.mul_(0)
-    torch.testing.assert_close(_real_values(g), seed)
+    torch.testing.assert_close(_real_values(g), rg)
 
 
 @propagating
@@ -544,6 +551,39 @@ def test_clip_grad_norm_inside_the_mode_changes_the_real_grads() -> None:
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
     for p, r in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, r.grad)
+
+
+@propagating
+@pytest.mark.parametrize(
+    "ops",
+    [("zero_", "mul_3"), ("mul_3", "zero_"), ("mul_3", "mul_3"), ("zero_", "add_fake", "mul_3")],
+    ids="-".join,
+)
+def test_in_place_ops_on_real_grads_inside_the_mode_apply_once(ops: tuple[str, ...]) -> None:
+    """FakeTensorMode itself runs some in-place ops on all-real arguments for real (``mul_(3)``:
+    numbers allowed as tensors) and others only on fake copies (``zero_``). Managed real grads
+    must see every op exactly once, in order, whichever kind, as in eager mode."""
+    lin, ref = _lin(), _lin()
+    x = torch.randn(2, 3)
+    bump = torch.full((4,), 0.5)
+
+    def apply(model: torch.nn.Module, fake: bool) -> None:
+        for op in ops:
+            g = model.bias.grad
+            if op == "zero_":
+                g.zero_()
+            elif op == "mul_3":
+                g.mul_(3)
+            else:
+                g.add_(torch.ones(4) * bump if fake else bump)
+
+    with fake_mode():
+        lin(x).pow(2).sum().backward()
+        apply(lin, True)
+    ref(x).pow(2).sum().backward()
+    apply(ref, False)
+    assert is_real(lin.bias.grad)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
 
 
 @propagating

@@ -195,13 +195,15 @@ def test_no_hooks_remain_once_the_fake_graph_is_gone() -> None:
     """Point 8: real training after a fake session runs no Python code of the patch."""
     model = mlp()
     x = torch.randn(3, 8)
+    gc.collect()
+    before = fakegrad_patch.status()["armed_leaves"]  # other tests' graphs, if still alive
     with fake_mode():
         loss = model(x).sum()
-        assert fakegrad_patch.status()["armed_leaves"] == 4
+        assert fakegrad_patch.status()["armed_leaves"] == before + 4
         loss.backward()
     del loss
     gc.collect()
-    assert fakegrad_patch.status()["armed_leaves"] == 0
+    assert fakegrad_patch.status()["armed_leaves"] == before
     applied = fakegrad_patch._patch.current()
     assert applied is not None
     calls = 0

@@ -31,7 +31,7 @@ def restore_trace() -> Iterator[None]:
 def test_timestamps_are_utc_with_microseconds_even_on_a_whole_second(
     monkeypatch: pytest.MonkeyPatch, restore_trace: None
 ) -> None:
-    whole = datetime.datetime(2026, 11, 30, 21, 54, 22, tzinfo=datetime.UTC)
+    whole = datetime.datetime(2026, 11, 30, 21, 54, 22, tzinfo=datetime.timezone.utc)
     ns = int(whole.timestamp()) * 1_000_000_000
     clock = iter([ns, ns + 81_334_999, ns + 1_000_000_000])
     monkeypatch.setattr("time.time_ns", lambda: next(clock))

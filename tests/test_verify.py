@@ -33,6 +33,28 @@ KNOWN_CORE_FAILURES = {
 }
 
 
+def _upstream_weight_norm_backward_is_nan() -> bool:
+    """Behaviour, not version: on some builds (2.4.0) upstream's propagated backward of
+    ``torch._weight_norm`` is NaN even for plain tensors with the patch uninstalled."""
+    import torch._functorch.config as functorch_config
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    was = fakegrad_patch.is_installed()
+    fakegrad_patch.uninstall()
+    try:
+        v = torch.randn(3, 4, requires_grad=True)
+        g = (torch.rand(3, 1) + 0.5).requires_grad_()
+        with (
+            functorch_config.patch(fake_tensor_propagate_real_tensors=True),
+            FakeTensorMode(allow_non_fake_inputs=True),
+        ):
+            (gv,) = torch.autograd.grad(torch._weight_norm(v, g, 0).sum(), [v])
+        return bool(torch.isnan(fakegrad_patch.materialize(gv)).any())
+    finally:
+        if was:
+            fakegrad_patch.install()
+
+
 def _run(case: dict[str, Any], **overrides: Any) -> Any:
     options = {k: case[k] for k in ("optimizer", "steps", "zero_grad") if k in case}
     options.update(overrides)
@@ -53,6 +75,8 @@ def _run(case: dict[str, Any], **overrides: Any) -> Any:
     ],
 )
 def test_zoo_model_trains_like_eager(name: str, device: torch.device) -> None:
+    if name == "weight_norm" and _upstream_weight_norm_backward_is_nan():
+        pytest.xfail("upstream propagation of weight_norm's backward is NaN on this build")
     report = _run(_zoo.ZOO[name](str(device)))
     assert report.ok, report.format()
     assert report.parameters, "no parameter was compared"
@@ -143,6 +167,8 @@ def test_broken_materializer_is_reported_on_exactly_those_parameters(
     corrupt: Callable[[torch.Tensor], None],
     expected: str,
 ) -> None:
+    if factory == "weight_norm" and _upstream_weight_norm_backward_is_nan():
+        pytest.xfail("upstream propagation of weight_norm's backward is NaN on this build")
     case = _zoo.ZOO[factory]("cpu")
     assert names <= {n for n, _ in case["model"].named_parameters()}
     _break_materializer(monkeypatch, names, corrupt)
@@ -179,7 +205,9 @@ def test_grad_replaced_instead_of_accumulated_in_place_is_reported(
     report = _run(_zoo.mlp(), steps=2, zero_grad="zeros")
     assert report.mismatched == ["0.bias"], report.format()
     (row,) = [p for p in report.parameters if p.name == "0.bias"]
-    assert row.max_abs == 0.0  # same values: only the object identity differs
+    # same values (up to the rounding of the kernels the fake mode picks on older builds): only
+    # the object identity differs
+    assert row.max_abs is not None and row.max_abs <= 1e-6
     assert row.identity == "new" and row.eager_identity == "kept"
     assert any("replaced by a new tensor" in p for p in row.problems)
 
@@ -304,7 +332,7 @@ def test_tolerances_can_be_given_per_dtype(monkeypatch: pytest.MonkeyPatch) -> N
     case = _zoo.mlp()
     loose = _run(case, steps=1, rtol={torch.float32: 1e-3})
     assert loose.ok, loose.format()
-    tight = _run(_zoo.mlp(), steps=1, rtol=1e-6, atol=0.0)
+    tight = _run(_zoo.mlp(), steps=1, rtol=1e-6, atol=1e-7)
     assert tight.mismatched == ["0.weight"]
 
 
