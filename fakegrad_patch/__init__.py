@@ -63,11 +63,20 @@ def _without_wrapt(missing: ModuleNotFoundError) -> None:
             "defects": {},
         }
 
-    globals().update(install=install, uninstall=uninstall, is_installed=is_installed, status=status)
+    def release_hooks() -> int:
+        return 0
+
+    globals().update(
+        install=install,
+        uninstall=uninstall,
+        is_installed=is_installed,
+        status=status,
+        release_hooks=release_hooks,
+    )
 
 
 try:
-    from ._patch import install, is_installed, status, uninstall
+    from ._patch import install, is_installed, release_hooks, status, uninstall
 except ModuleNotFoundError as _exc:
     # wrapt (a required dependency) is missing: the package must still import, so that
     # ``doctor`` can say so and ``python -m fakegrad_patch trace`` works. Nothing is patched.
@@ -96,6 +105,7 @@ __all__ = [
     "mirror_to_sources",
     "name_parameters",
     "patched",
+    "release_hooks",
     "settings",
     "status",
     "uninstall",

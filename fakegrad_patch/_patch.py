@@ -145,6 +145,20 @@ def uninstall() -> bool:
     return True
 
 
+def release_hooks() -> int:
+    """Remove every armed pre-hook now (all installations); return how many were removed.
+
+    For programs where something keeps AccumulateGrad nodes alive after the fake session
+    (DistributedDataParallel holds every parameter's node for its lifetime): afterwards real
+    backward passes call no code of the patch. Graphs armed before the call and backwarded after
+    it get upstream behaviour (FakeTensor gradients); new graphs are armed as usual."""
+    leaves = sys.modules.get(__package__ + "._leaves")
+    removed = leaves.Registry.disarm_all() if leaves is not None else 0
+    if trace.enabled(trace.INFO):
+        trace.emit("hooks_released", trace.INFO, hooks_removed=removed)
+    return removed
+
+
 def is_installed() -> bool:
     """True when the patch is applied to torch in this process."""
     return _state.applied is not None

@@ -50,6 +50,7 @@ KNOWN_EVENTS = frozenset(
         "d2_repaired",
         "propagated_values_resynced",
         "standing_aside",
+        "hooks_released",
         "zero_copy_calibrated",
         "leaf_armed",
         "leaf_released",

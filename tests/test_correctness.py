@@ -662,3 +662,21 @@ def test_gradients_summed_in_the_engine_input_buffer_still_reach_the_pre_hook(us
     assert [e["action"] for e in grads] == ["set", "accumulate"]
     assert is_real(w.grad)
     torch.testing.assert_close(w.grad, r.grad)
+
+
+@propagating
+def test_release_hooks_removes_every_armed_hook_and_new_graphs_are_armed_again() -> None:
+    """For DDP, which keeps AccumulateGrad nodes alive: after release_hooks() a real backward runs
+    no code of the patch; a new fake graph is armed as usual."""
+    lin = _lin()
+    x = torch.randn(2, 3)
+    gc_before = fakegrad_patch.status()["armed_leaves"]
+    with fake_mode():
+        kept = lin(x).sum()  # keeps the nodes alive, as DDP does
+        assert fakegrad_patch.status()["armed_leaves"] == gc_before + 2
+    assert fakegrad_patch.release_hooks() >= 2
+    assert fakegrad_patch.status()["armed_leaves"] == 0
+    with fake_mode():
+        lin(x).sum().backward()
+    assert is_real(lin.weight.grad)
+    del kept

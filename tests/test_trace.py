@@ -51,6 +51,7 @@ SCHEMA: dict[str, tuple[str, set[str]]] = {
     "d2_repaired": ("info", ENVELOPE | {"leaf_id", "name", "shape", "dtype", "device", "bytes"}),
     "propagated_values_resynced": ("info", ENVELOPE | LEAF_KEYS | {"bytes"}),
     "standing_aside": ("info", ENVELOPE | {"defect"}),
+    "hooks_released": ("info", ENVELOPE | {"hooks_removed"}),
     "zero_copy_calibrated": ("info", ENVELOPE | {"enabled"}),
     "leaf_armed": ("debug", ENVELOPE | LEAF_KEYS),
     "leaf_released": ("debug", ENVELOPE | LEAF_KEYS),
