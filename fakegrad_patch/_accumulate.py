@@ -168,7 +168,7 @@ class Materializer:
         upstream does (policy ``keep``).
         """
         start = time.perf_counter()
-        if leaf.device.type == "meta":
+        if leaf.is_meta:
             # Shape-only analysis: a meta leaf has no data, so its gradient needs none either.
             # Upstream gives it a (fake) meta gradient; eager on meta gives a real meta one.
             with self._r.no_dispatch(), torch.no_grad():

@@ -149,7 +149,8 @@ _grads: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] =
 
 
 def note_grad(leaf: torch.Tensor) -> None:
-    """Remember ``leaf.grad`` when it is a real strided tensor."""
+    """Remember ``leaf.grad`` when it is a real strided tensor (hot path: once per interception;
+    plain weak references validated on lookup, dead entries pruned as the dict grows)."""
     grad = leaf.grad
     if grad is None or type(grad) is not torch.Tensor or grad.layout != torch.strided:
         return
@@ -157,7 +158,10 @@ def note_grad(leaf: torch.Tensor) -> None:
     entry = _grads.get(key)
     if entry is not None and entry[0]() is grad:
         return
-    _grads[key] = (weakref.ref(grad, functools.partial(_forget_grad, key)), weakref.ref(leaf))
+    _grads[key] = (weakref.ref(grad), weakref.ref(leaf))
+    if len(_grads) >= _PRUNE_AT and len(_grads) % _PRUNE_AT == 0:
+        for k in [k for k, (g, _) in _grads.items() if g() is None]:
+            del _grads[k]
 
 
 def managed_grad(t: torch.Tensor) -> bool:
@@ -171,12 +175,6 @@ def managed_grad(t: torch.Tensor) -> bool:
 
 def has_managed_grads() -> bool:
     return bool(_grads)
-
-
-def _forget_grad(key: int, ref: object) -> None:
-    entry = _grads.get(key)
-    if entry is not None and entry[0] is ref:
-        del _grads[key]
 
 
 def _forget_walked(key: int, _ref: object) -> None:
