@@ -134,3 +134,37 @@ def test_invalid_env_var_warns_and_falls_back() -> None:
     with pytest.warns(fakegrad_patch.FakeGradPatchWarning, match="'drop', 'zeros'"):
         settings = _config.settings_from_env({"FAKEGRAD_ON_MISSING": "sometimes"})
     assert settings.on_missing == "drop"
+
+
+# -- issue 11: warnings under the user's filters, once per process ---------------------------------
+
+
+def test_drop_under_warnings_as_errors_is_recorded_and_not_called_internal() -> None:
+    """``-W error``: the drop warning becomes the user's exception out of backward. The event is
+    recorded first, the leaf keeps what it had, and nothing is labelled an internal error."""
+    fakegrad_patch._patch._state.warned.discard("drop")
+    model = _linear()
+    model.bias.grad = torch.ones(2)
+    trace.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fakegrad_patch.FakeGradPatchWarning)
+        with pytest.raises(fakegrad_patch.FakeGradPatchWarning) as info:
+            _fake_backward(model)
+    assert "dropped" in str(info.value) and "internal error" not in str(info.value)
+    kinds = [e["event"] for e in trace.events()]
+    assert "fake_grad_drop" in kinds and "internal_error" not in kinds
+    assert torch.equal(model.bias.grad, torch.ones(2)) and is_real(model.bias.grad)
+
+
+def test_drop_warning_is_shown_once_per_process_across_installs_and_leaf_shapes() -> None:
+    fakegrad_patch._patch._state.warned.discard("drop")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(20):
+            fakegrad_patch.uninstall()
+            with fakegrad_patch.patched():
+                model = torch.nn.Linear(3 + i, 2)
+                with fake_mode():
+                    model(torch.randn(4, 3 + i)).sum().backward()
+    drops = [w for w in caught if issubclass(w.category, fakegrad_patch.FakeGradPatchWarning)]
+    assert len(drops) == 1, [str(w.message)[:80] for w in drops]
