@@ -427,6 +427,8 @@ class _Applied:
         if entry is not None and entry() is t:
             return
         t_ref = weakref.ref(t)
+        if len(self._retained) > 4096:
+            self._retained = {k: r for k, r in self._retained.items() if r() is not None}
         self._retained[key] = t_ref
         box: dict[str, Any] = {}
 
