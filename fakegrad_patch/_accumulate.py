@@ -172,9 +172,7 @@ class Materializer:
             # Shape-only analysis: a meta leaf has no data, so its gradient needs none either.
             # Upstream gives it a (fake) meta gradient; eager on meta gives a real meta one.
             with self._r.no_dispatch(), torch.no_grad():
-                value = torch.empty(grad.shape, dtype=grad.dtype, device="meta")
-                if grad.layout == torch.strided and leaf.layout == torch.strided:
-                    value = empty_like_contract(leaf, grad.dtype)
+                value = _empty_grad_for(leaf, grad)
             outcome = self._write(leaf, value, None, grad.dtype, "meta", fresh=True)
         else:
             real = self._r.real_of(grad)
@@ -183,6 +181,12 @@ class Materializer:
             else:
                 outcome = self._missing(leaf, grad, start)
         self._emit(leaf, outcome, start)
+        if outcome.action == "drop":
+            # after the event: a user's ``-W error`` turns the warning into an exception, which
+            # must not lose the record
+            from ._patch import warn_once
+
+            warn_once("drop", _DROP_MESSAGE)
         return None if outcome.action == "keep" else (None,)
 
     def _missing(self, leaf: torch.Tensor, grad: Any, start: float) -> Outcome:
@@ -191,9 +195,7 @@ class Materializer:
             return Outcome("keep", "none")
         if policy == "zeros":
             with self._r.no_dispatch(), torch.no_grad():
-                zeros = torch.zeros(grad.shape, dtype=grad.dtype, device=leaf.device)
-                if grad.layout == torch.strided and leaf.layout == torch.strided:
-                    zeros = empty_like_contract(leaf, grad.dtype).zero_()
+                zeros = _empty_grad_for(leaf, grad).zero_()
             return self._write(leaf, zeros, None, grad.dtype, "zeros", fresh=True)
         if policy == "error":
             self._emit(leaf, Outcome("error", "none"), start)
@@ -204,14 +206,7 @@ class Materializer:
                 "True) before creating the FakeTensorMode, or choose another on_missing "
                 "policy (fakegrad_patch.configure(on_missing=...) / FAKEGRAD_ON_MISSING)."
             )
-        # drop: the event first (a user's ``-W error`` turns the warning into an exception, which
-        # must not lose the record), then one warning per process.
-        outcome = Outcome("drop", "none")
-        self._emit(leaf, outcome, start)
-        from ._patch import warn_once
-
-        warn_once("drop", _DROP_MESSAGE)
-        return _EMITTED_DROP
+        return Outcome("drop", "none")  # traced, then warned once per process, by the caller
 
     # -- the rule -----------------------------------------------------------------------------
 
@@ -324,7 +319,7 @@ class Materializer:
 
     def _emit(self, leaf: torch.Tensor, outcome: Outcome, start: float) -> None:
         level = trace.WARNING if outcome.action in ("drop", "error") else trace.INFO
-        if not trace.enabled(level) or outcome is _EMITTED_DROP:
+        if not trace.enabled(level):
             return
         if getattr(self._calibration, "seen", None) is not None:
             return  # the calibration probe's own leaf
@@ -345,8 +340,12 @@ class Materializer:
         return task if task >= 0 else None
 
 
-#: The drop outcome once its event was emitted (before the warning): not emitted twice.
-_EMITTED_DROP = Outcome("drop", "none")
+def _empty_grad_for(leaf: torch.Tensor, grad: Any) -> torch.Tensor:
+    """An uninitialised gradient buffer for ``leaf`` on its device, in the gradient's dtype:
+    obeying the layout contract when both are strided, else of the gradient's shape."""
+    if grad.layout == torch.strided and leaf.layout == torch.strided:
+        return empty_like_contract(leaf, grad.dtype)
+    return torch.empty(grad.shape, dtype=grad.dtype, device=leaf.device)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -39,7 +39,7 @@ from ._accumulate import (
     is_non_overlapping_and_dense,
     obeys_layout_contract,
 )
-from ._errors import FakeGradError
+from ._errors import FakeGradError, FakeGradPatchWarning
 
 _lock = threading.RLock()
 
@@ -123,7 +123,8 @@ class FakeLeaves:
         # the next fake accumulation (an in-place add that propagation also runs on
         # ``real_tensor``) would add into the real ``.grad`` a second time.
         self.materializer = Materializer(applied.resolved, adopt=False)
-        self._fake_cls = applied.resolved.fake_tensor_cls
+        self._is_fake = applied.resolved.is_fake
+        self._real_of = applied.resolved.real_of
 
     def on_convert(self, mode: Any, source: torch.Tensor, fake: Any) -> None:
         """``fake`` was just made by ``mode``'s converter from real ``source``."""
@@ -135,7 +136,7 @@ class FakeLeaves:
                 self._arm(mirror, source, fake)
 
     def _check_grad_copy(self, source: torch.Tensor, fake: Any) -> None:
-        if getattr(fake, "real_tensor", None) is None or source.grad_fn is not None:
+        if self._real_of(fake) is None or source.grad_fn is not None:
             return
         if source.grad is None or fake in self._checked:
             return
@@ -146,7 +147,7 @@ class FakeLeaves:
         self._checked[fake] = None
 
     def _arm(self, mirror: _Mirror, source: torch.Tensor, fake: Any) -> None:
-        if not (isinstance(fake, self._fake_cls) and fake.requires_grad and fake.grad_fn is None):
+        if not (self._is_fake(fake) and fake.requires_grad and fake.grad_fn is None):
             return
         with _lock:
             entry = mirror.armed.get(fake)
@@ -161,23 +162,24 @@ class FakeLeaves:
     def _make_prehook(
         self, source_ref: weakref.ref[torch.Tensor], mirror_ref: weakref.ref[_Mirror], fake_id: int
     ) -> Any:
-        fake_cls = self._fake_cls
+        is_fake, real_of = self._is_fake, self._real_of
         applied = self._applied
 
         def fakegrad_mirror_prehook(grad_outputs: tuple[Any, ...]) -> None:
             grad = grad_outputs[0]
             mirror = mirror_ref()
-            if mirror is None or not mirror.active or not isinstance(grad, fake_cls):
+            if mirror is None or not mirror.active or not is_fake(grad):
                 return None
             source = source_ref()
             if source is None or not applied._active:
                 return None
             if trace.enabled(trace.INFO):
-                _emit_mirrored(source, fake_id, grad, self.materializer.backward_id())
+                propagated = real_of(grad) is not None
+                _emit_mirrored(source, fake_id, propagated, self.materializer.backward_id())
             try:
                 self.materializer.on_fake_grad(source, grad)
-            except FakeGradError:
-                raise
+            except (FakeGradError, FakeGradPatchWarning):
+                raise  # on_missing="error", or the user's warnings filter (-W error)
             except Exception as exc:  # never break the host's backward
                 applied.internal_error("mirror", exc)
             return None  # the fake leaf accumulates its fake grad as upstream does
@@ -185,7 +187,9 @@ class FakeLeaves:
         return fakegrad_mirror_prehook
 
 
-def _emit_mirrored(source: torch.Tensor, fake_id: int, grad: Any, backward_id: int | None) -> None:
+def _emit_mirrored(
+    source: torch.Tensor, fake_id: int, propagated: bool, backward_id: int | None
+) -> None:
     from . import _leaves
 
     trace.emit(
@@ -194,7 +198,7 @@ def _emit_mirrored(source: torch.Tensor, fake_id: int, grad: Any, backward_id: i
         backward_id=backward_id,
         **_leaves.leaf_fields(source),
         fake_id=fake_id,
-        source="propagated" if getattr(grad, "real_tensor", None) is not None else "none",
+        source="propagated" if propagated else "none",
     )
 
 

@@ -152,7 +152,7 @@ def release_hooks() -> int:
     (DistributedDataParallel holds every parameter's node for its lifetime): afterwards real
     backward passes call no code of the patch. Graphs armed before the call and backwarded after
     it get upstream behaviour (FakeTensor gradients); new graphs are armed as usual."""
-    leaves = sys.modules.get(__package__ + "._leaves")
+    leaves = _leaves_if_loaded()
     removed = leaves.Registry.disarm_all() if leaves is not None else 0
     if trace.enabled(trace.INFO):
         trace.emit("hooks_released", trace.INFO, hooks_removed=removed)
@@ -180,9 +180,14 @@ def status() -> dict[str, Any]:
     }
 
 
+def _leaves_if_loaded() -> Any:
+    """The leaf registry module, or None before any installation imported it (and torch)."""
+    return sys.modules.get(__package__ + "._leaves")
+
+
 def _armed_count() -> int:
     """Hooks on live AccumulateGrad nodes, armed by this or an earlier installation."""
-    leaves = sys.modules.get(__package__ + "._leaves")
+    leaves = _leaves_if_loaded()
     return leaves.Registry.armed_count() if leaves is not None else 0
 
 
@@ -231,7 +236,6 @@ class _Applied:
 
         autograd = torch.autograd
         self._autograd = autograd
-        self._backward_original = autograd.backward
         wrapt.wrap_function_wrapper(autograd, "backward", self._backward)
         self._backward_wrapper: Any = autograd.backward
 
