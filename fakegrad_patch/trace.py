@@ -670,15 +670,8 @@ def emit(event: str, level: int, **fields: Any) -> None:
 
     Never raises: a tracing failure warns once and the program continues.
     """
-    if level < _threshold:
-        return
-    try:
-        method = _methods.get(level)
-        if method is None:
-            method = _method_for(level)
-        method(event, _fakegrad_fields=fields)
-    except Exception as exc:
-        _warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
+    if level >= _threshold:
+        emit_fields(event, level, fields)
 
 
 def emit_fields(event: str, level: int, fields: dict[str, Any]) -> None:
