@@ -24,6 +24,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from . import _config, _leaves, trace
-from ._errors import FakeGradError
+from ._errors import FakeGradError, FakeGradPatchWarning
 from ._targets import Resolved
 
 _NO_CONTEXT = contextlib.nullcontext()
@@ -114,6 +115,15 @@ class AdoptBaseline:
         )
 
 
+_UNTRUSTED_MESSAGE = (
+    "fakegrad_patch: fake gradients computed from propagated values the patch could not repair "
+    "reached real leaves (their FakeTensorMode converted nn.Parameters while the patch was not "
+    "installed, on a torch with defect D2: those values are uninitialised memory); they were "
+    "handled as gradients without real values (on_missing) instead of being written. Install "
+    "the patch before the mode converts anything, or use a fresh mode. Shown once per process; "
+    "every case is a trace event with source='untrusted'."
+)
+
 _DROP_MESSAGE = (
     "fakegrad_patch: FakeTensor gradients without real values reached real leaves; they were "
     "dropped (on_missing='drop') and the leaves keep their previous .grad. Turn on "
@@ -137,10 +147,14 @@ class Materializer:
         *,
         adopt: bool = True,
         on_written: Any = None,
+        untrusted: Any = None,
     ) -> None:
         self._r = resolved
         self._adopt = adopt
         self._on_written = on_written
+        #: ``untrusted(grad)``: True when the fake gradient was computed from propagated values
+        #: the patch could not vouch for (see _values.Values.tainted); None: never.
+        self._untrusted = untrusted
         #: None until calibrated (and forever if calibration failed): the set path then copies.
         self.baseline: AdoptBaseline | None = None
         self._calibration = threading.local()
@@ -168,37 +182,54 @@ class Materializer:
         upstream does (policy ``keep``).
         """
         start = time.perf_counter()
+        real = None if leaf.is_meta else self._r.real_of(grad)
+        if real is None and not leaf.is_meta and not _config.current().on_missing_explicit:
+            mode = getattr(grad, "fake_mode", None)
+            if not getattr(mode, "propagate_real_tensors", False):
+                return None  # no real values exist in this mode: upstream's behaviour (issue 17)
         if leaf.is_meta:
             # Shape-only analysis: a meta leaf has no data, so its gradient needs none either.
             # Upstream gives it a (fake) meta gradient; eager on meta gives a real meta one.
             with self._r.no_dispatch(), torch.no_grad():
                 value = _empty_grad_for(leaf, grad)
             outcome = self._write(leaf, value, None, grad.dtype, "meta", fresh=True)
+        elif real is not None and (self._untrusted is None or not self._untrusted(grad)):
+            outcome = self._write(leaf, real, grad, grad.dtype, "propagated")
         else:
-            real = self._r.real_of(grad)
-            if real is not None:
-                outcome = self._write(leaf, real, grad, grad.dtype, "propagated")
-            else:
-                outcome = self._missing(leaf, grad, start)
+            why = "none" if real is None else "untrusted"
+            outcome = self._missing(leaf, grad, start, why)
         self._emit(leaf, outcome, start)
         if outcome.action == "drop":
             # after the event: a user's ``-W error`` turns the warning into an exception, which
             # must not lose the record
             from ._patch import warn_once
 
-            warn_once("drop", _DROP_MESSAGE)
+            if outcome.source == "untrusted":
+                warn_once("untrusted", _UNTRUSTED_MESSAGE)
+            else:
+                warn_once("drop", _DROP_MESSAGE)
         return None if outcome.action == "keep" else (None,)
 
-    def _missing(self, leaf: torch.Tensor, grad: Any, start: float) -> Outcome:
+    def _missing(self, leaf: torch.Tensor, grad: Any, start: float, why: str) -> Outcome:
+        """No real values to write (``why="none"``), or values the patch cannot vouch for
+        (``"untrusted"``): the ``on_missing`` policy."""
         policy = _config.current().on_missing
         if policy == "keep":
-            return Outcome("keep", "none")
+            return Outcome("keep", why)
         if policy == "zeros":
             with self._r.no_dispatch(), torch.no_grad():
                 zeros = _empty_grad_for(leaf, grad).zero_()
             return self._write(leaf, zeros, None, grad.dtype, "zeros", fresh=True)
         if policy == "error":
-            self._emit(leaf, Outcome("error", "none"), start)
+            self._emit(leaf, Outcome("error", why), start)
+            if why == "untrusted":
+                raise FakeGradError(
+                    f"fakegrad_patch: the fake gradient of real leaf {describe(leaf)} was "
+                    "computed from propagated values the patch could not repair (its mode "
+                    "converted parameters while the patch was not installed, on a torch with "
+                    "defect D2); the leaf keeps its previous .grad. Install the patch before "
+                    "the FakeTensorMode converts anything, or use a fresh mode."
+                )
             raise FakeGradError(
                 "fakegrad_patch: a FakeTensor gradient without real values reached a real "
                 f"leaf {describe(leaf)}; the leaf keeps its previous .grad. Enable real-value "
@@ -206,7 +237,7 @@ class Materializer:
                 "True) before creating the FakeTensorMode, or choose another on_missing "
                 "policy (fakegrad_patch.configure(on_missing=...) / FAKEGRAD_ON_MISSING)."
             )
-        return Outcome("drop", "none")  # traced, then warned once per process, by the caller
+        return Outcome("drop", why)  # traced, then warned once per process, by the caller
 
     # -- the rule -----------------------------------------------------------------------------
 
@@ -338,6 +369,99 @@ class Materializer:
             return None
         task = getter()
         return task if task >= 0 else None
+
+
+class Hooks:
+    """The AccumulateGrad pre-hook and the retained-non-leaf fix of one installation."""
+
+    def __init__(self, resolved: Resolved, materializer: Materializer, applied: Any) -> None:
+        self._r = resolved
+        self._materializer = materializer
+        self._applied = applied
+        #: set at first need (probe P1): run post-accumulate hooks ourselves
+        self.post_hooks_skipped = False
+
+    def make_prehook(self, leaf: torch.Tensor) -> Any:
+        """The pre-hook for ``leaf``'s AccumulateGrad node. It holds the leaf weakly and writes
+        under the leaf's own lock (as ``AccumulateGrad::apply`` holds its node's mutex)."""
+        is_fake = self._r.is_fake
+        tracing = self._r.torch_is_tracing
+        materializer, applied = self._materializer, self._applied
+        leaf_ref = weakref.ref(leaf)
+        lock = _leaves.leaf_lock(leaf)
+
+        def fakegrad_prehook(grad_outputs: tuple[Any, ...]) -> Any:
+            grad = grad_outputs[0]
+            if grad is None or not is_fake(grad):
+                return None  # real gradients: AccumulateGrad as usual
+            leaf = leaf_ref()
+            if leaf is None or not leaf.requires_grad:
+                return None  # AccumulateGrad skips a leaf that no longer requires grad
+            if tracing():
+                return None  # a compiled-autograd trace or a functorch transform: torch's own
+            try:
+                with lock:
+                    result = materializer.on_fake_grad(leaf, grad)
+            except (FakeGradError, FakeGradPatchWarning):
+                raise  # on_missing="error", or the user's warnings filter (-W error)
+            except Exception as exc:
+                # Keep what the leaf had (never a FakeTensor), say so, keep backward running.
+                applied.internal_error("materialize", exc)
+                return (None,)
+            if result is not None and self.post_hooks_skipped:
+                hooks = self._r.post_accumulate_hooks(leaf)
+                if hooks:  # probe P1: this build skips them once our pre-hook returned (None,)
+                    for hook in tuple(hooks.values()):
+                        hook(leaf)
+            return result
+
+        return fakegrad_prehook
+
+    def fix_retained(self, tensor: torch.Tensor, prior: Any) -> None:
+        """After a real non-leaf's retain hook stored a fake ``.grad``: its real values, or the
+        ``on_missing`` policy (``prior``: the real ``.grad`` it had before)."""
+        try:
+            with _leaves.leaf_lock(tensor):
+                self._fix_retained(tensor, prior)
+        except FakeGradError:
+            raise
+        except Exception as exc:
+            self._applied.internal_error("retain_grad", exc)
+
+    def _fix_retained(self, tensor: torch.Tensor, prior: Any) -> None:
+        grad = tensor.grad
+        if grad is None or not self._r.is_fake(grad):
+            return
+        real = self._r.real_of(grad)
+        settings = _config.current()
+        mode = getattr(grad, "fake_mode", None)
+        if (
+            real is None
+            and not settings.on_missing_explicit
+            and not getattr(mode, "propagate_real_tensors", False)
+        ):
+            return  # upstream's behaviour where no real values exist
+        with self._r.no_dispatch(), torch.no_grad():
+            if real is not None:
+                tensor.grad = real  # a fresh clone (or sum) the retain hook made: ours alone
+                return
+            policy = settings.on_missing
+            if policy == "keep":
+                return
+            if policy == "error":
+                tensor.grad = prior
+                raise FakeGradError(
+                    "fakegrad_patch: a FakeTensor gradient without real values reached a real "
+                    "non-leaf with retain_grad(); it keeps its previous .grad."
+                )
+            if policy == "zeros":
+                zeros = torch.zeros(grad.shape, dtype=grad.dtype, device=tensor.device)
+                tensor.grad = zeros if prior is None else prior + zeros
+            else:
+                tensor.grad = prior
+                from ._patch import warn_once
+
+                warn_once("drop", _DROP_MESSAGE)
 
 
 def _empty_grad_for(leaf: torch.Tensor, grad: Any) -> torch.Tensor:

@@ -33,6 +33,9 @@ class Settings:
     """
 
     on_missing: OnMissing = DEFAULT_ON_MISSING
+    #: True when the user chose ``on_missing`` (environment or configure()/patched()): only then
+    #: does the policy apply in modes that do not propagate real values.
+    on_missing_explicit: bool = False
 
 
 #: How many characters of a bad value a message echoes (environment values can be huge).
@@ -63,7 +66,7 @@ def _from_env(environ: Mapping[str, str] | None = None) -> tuple[Settings, str |
     if not raw:
         return Settings(), None
     try:
-        return Settings(on_missing=validate_on_missing(raw)), None
+        return Settings(on_missing=validate_on_missing(raw), on_missing_explicit=True), None
     except ValueError as exc:
         return Settings(), f"fakegrad_patch: {ENV_ON_MISSING}: {exc}; using {DEFAULT_ON_MISSING!r}"
 
@@ -114,7 +117,9 @@ def update(*, on_missing: object = None) -> Settings:
             previous = _current
             new = previous
             if on_missing is not None:
-                new = replace(new, on_missing=validate_on_missing(on_missing))
+                new = replace(
+                    new, on_missing=validate_on_missing(on_missing), on_missing_explicit=True
+                )
             _current = new
     finally:
         _warn(problem)

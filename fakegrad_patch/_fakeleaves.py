@@ -126,6 +126,11 @@ class FakeLeaves:
         self._is_fake = applied.resolved.is_fake
         self._real_of = applied.resolved.real_of
 
+    @staticmethod
+    def mirroring() -> bool:
+        """Is any ``mirror_to_sources`` switch open (one int test)?"""
+        return _Active.count > 0
+
     def on_convert(self, mode: Any, source: torch.Tensor, fake: Any) -> None:
         """``fake`` was just made by ``mode``'s converter from real ``source``."""
         if self._grad_copy_broken is not False:

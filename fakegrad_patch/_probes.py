@@ -75,7 +75,16 @@ POST_HOOKS = Defect(
     "AccumulateGrad skips post-accumulate hooks after a pre-hook returns (None,)",
 )
 
-ALL_DEFECTS: tuple[Defect, ...] = (D1, D2, GRAD_COPY, POST_HOOKS)
+#: D5: a FakeTensor of one propagating mode converted by another mode (a module shared by models
+#: run in two modes, a loss summed across modes) gets an uninitialised ``real_tensor`` instead of
+#: the first mode's values (seen on 2.13.0: the same ``_safe_copy`` type test as D2; 2.14.1 and
+#: 2.15.0 copy the values). Where present, the patch copies them.
+FOREIGN_FAKE = Defect(
+    "D5_foreign_fake_real_tensor",
+    "a FakeTensor converted by another propagating mode gets an uninitialised real_tensor",
+)
+
+ALL_DEFECTS: tuple[Defect, ...] = (D1, D2, GRAD_COPY, POST_HOOKS, FOREIGN_FAKE)
 
 
 _results: dict[str, bool] = {}
@@ -114,6 +123,7 @@ class Probes:
             D2.key: self._probe_parameter_real_tensor,
             GRAD_COPY.key: self._probe_grad_copy,
             POST_HOOKS.key: self._probe_post_hooks_skipped,
+            FOREIGN_FAKE.key: self._probe_foreign_fake,
         }[defect.key]
         # An explicit, ordinary autograd state: probes run at first need, which can be inside a
         # fake op's dispatch (autograd keys excluded), under no_grad or inference_mode.
@@ -172,6 +182,21 @@ class Probes:
             if real is None:
                 return False  # this build does not propagate through from_tensor: nothing to repair
             return not torch.equal(real, values)
+
+    def _probe_foreign_fake(self) -> bool:
+        values = torch.linspace(-3.25, 7.5, 24).reshape(4, 6)
+        with (
+            self._r.disable_current_modes(),
+            torch.no_grad(),
+            self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
+            _bypass(),
+        ):
+            first = self._r.fake_mode_cls().from_tensor(values.clone())
+            if getattr(first, "real_tensor", None) is None:
+                return False  # no propagation through from_tensor: nothing to repair
+            second = self._r.fake_mode_cls(allow_non_fake_inputs=True).from_tensor(first)
+            real = getattr(second, "real_tensor", None)
+            return real is not None and not torch.equal(real, values)
 
     def _probe_grad_copy(self) -> bool:
         """Convert plain and Parameter leaves holding strided grads; compare the fake grad's real

@@ -184,6 +184,48 @@ GRAPH_TASK_ID = Target(
     "optional: backward-pass id in trace events",
 )
 
+#: READ. Per-mode switch of real-value propagation (an instance attribute set from the config at
+#: construction; FINDINGS: the config itself is per-thread on 2.13). The patch acts only in
+#: modes where it is true, or where the user set ``on_missing`` explicitly: everywhere else
+#: (torch.compile, export, make_fx, estimators) upstream's behaviour is untouched. Read with
+#: ``getattr(mode, "propagate_real_tensors", False)``.
+PROPAGATE_ATTR = Target(
+    FAKE_TENSOR_MODULE,
+    "FakeTensorMode.propagate_real_tensors",
+    "act only in modes that propagate real values (instance attribute)",
+)
+
+#: CALLED, OPTIONAL. The functorch interpreter stack (non-empty inside ``torch.func.grad``,
+#: ``vmap``, ...): the patch arms nothing and writes nothing inside a functorch transform.
+FUNCTORCH_STACK = Target(
+    "torch._C._functorch",
+    "peek_interpreter_stack",
+    "optional: stand aside inside functorch transforms",
+)
+
+#: READ, OPTIONAL. Compiled autograd's module flags ``compiled_autograd_enabled`` (while it
+#: captures or runs a backward) and ``in_compiled_autograd_region``: read from ``sys.modules``
+#: only if the module was imported by the program (never imported by the patch). While either is
+#: set the pre-hook and the arming stand aside: compiled autograd calls node pre-hooks with its
+#: own fake gradients while tracing.
+COMPILED_AUTOGRAD = Target(
+    "torch._dynamo.compiled_autograd",
+    "compiled_autograd_enabled",
+    "optional: stand aside inside compiled autograd (read only if imported)",
+)
+
+#: READ, OPTIONAL. The real tensors a converter has described (``FakeTensorConverter.meta_converter
+#: .describer.lookup_tensor``, a WeakIdKeyDictionary, same path on 2.4.0, 2.13.0, 2.14.1 and
+#: 2.15.0). On builds with D2, the first time the patch meets a converter after being applied
+#: (again), these tell whether it converted Parameters while the patch was not installed (their
+#: propagated values were uninitialised): that mode's gradients are then not written. Absent:
+#: that check is skipped.
+DESCRIBED_TENSORS = Target(
+    FAKE_TENSOR_MODULE,
+    "FakeTensorConverter.meta_converter",
+    "optional: conversions made while the patch was not installed (D2 builds)",
+)
+
 ALL_TARGETS: tuple[Target, ...] = (
     FROM_REAL_TENSOR,
     FAKE_TENSOR,
@@ -200,6 +242,7 @@ ALL_TARGETS: tuple[Target, ...] = (
     POST_ACCUMULATE_HOOKS,
     SHOULD_ALLOW_NUMBERS,
     GRAPH_TASK_ID,
+    FUNCTORCH_STACK,
 )
 
 #: Targets whose absence degrades a detail instead of blocking the patch.
@@ -210,6 +253,7 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
         MAYBE_GET_REAL_TENSOR,
         POST_ACCUMULATE_HOOKS,
         SHOULD_ALLOW_NUMBERS,
+        FUNCTORCH_STACK,
     }
 )
 
@@ -284,6 +328,8 @@ class Resolved:
     post_accumulate_hooks: Callable[[Any], Any]
     ordinary_dispatch: Callable[[], Any]
     op_ran_for_real: Callable[[], bool | None]
+    torch_is_tracing: Callable[[], bool]
+    described_tensors: Callable[[Any], Any]
 
 
 def resolve_all() -> Resolved:
@@ -310,7 +356,39 @@ def resolve_all() -> Resolved:
         is_fake=_make_is_fake(fake_cls),
         real_of=_make_real_of(),
         post_accumulate_hooks=lambda leaf: getattr(leaf, "_post_accumulate_grad_hooks", None),
+        torch_is_tracing=_make_torch_is_tracing(),
+        described_tensors=_described_tensors,
     )
+
+
+def _make_torch_is_tracing() -> Callable[[], bool]:
+    """``torch_is_tracing()``: True inside a functorch transform or while compiled autograd
+    captures or runs a backward (see FUNCTORCH_STACK, COMPILED_AUTOGRAD)."""
+    import sys
+
+    peek = _resolve_optional(FUNCTORCH_STACK)
+    modules = sys.modules
+    name = COMPILED_AUTOGRAD.module
+
+    def torch_is_tracing() -> bool:
+        if peek is not None and peek() is not None:
+            return True
+        ca = modules.get(name)
+        return ca is not None and bool(
+            getattr(ca, "compiled_autograd_enabled", False)
+            or getattr(ca, "in_compiled_autograd_region", False)
+        )
+
+    return torch_is_tracing
+
+
+def _described_tensors(converter: Any) -> Any:
+    """The real tensors ``converter`` described so far (a snapshot list), or None."""
+    try:
+        lookup = converter.meta_converter.describer.lookup_tensor
+        return list(lookup.keys())
+    except Exception:
+        return None
 
 
 def _make_is_fake(fake_cls: type) -> Callable[[Any], bool]:

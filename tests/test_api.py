@@ -113,9 +113,10 @@ def test_graph_armed_before_uninstall_finishes_with_real_grads() -> None:
     expected = x.sum(0)[:, None].expand(3, 3)
     with fake_mode():
         loss = (x @ w).sum()
-        assert fakegrad_patch.status()["armed_leaves"] == 1
+        assert fakegrad_patch.status()["armed_leaves"] == 0  # arming happens at backward
         fakegrad_patch.uninstall()
         try:
+            assert fakegrad_patch.status()["armed_leaves"] == 1  # uninstall armed w's node
             loss.backward()
             finished = w.grad
             w.grad = None

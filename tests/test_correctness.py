@@ -626,7 +626,9 @@ def test_stands_aside_on_a_build_without_d1(monkeypatch: pytest.MonkeyPatch) -> 
         with fakegrad_patch.trace.capture("debug") as events, fake_mode():
             out = (w * 2).sum()
             assert fakegrad_patch.status()["armed_leaves"] == before
+            out.backward()  # first need: probe D1 says fixed, nothing is armed
         assert "leaf_armed" not in [e["event"] for e in events]
+        assert isinstance(w.grad, FakeTensor)  # what this (simulated) build itself writes
         del out
         assert fakegrad_patch.status()["arming"] is False
         assert "standing_aside" in [e["event"] for e in events]
@@ -665,18 +667,45 @@ def test_gradients_summed_in_the_engine_input_buffer_still_reach_the_pre_hook(us
 
 
 @propagating
-def test_release_hooks_removes_every_armed_hook_and_new_graphs_are_armed_again() -> None:
-    """For DDP, which keeps AccumulateGrad nodes alive: after release_hooks() a real backward runs
-    no code of the patch; a new fake graph is armed as usual."""
+def test_hooks_last_one_backward_call_even_where_nodes_are_kept_alive() -> None:
+    """DDP keeps every parameter's AccumulateGrad node alive: hooks are armed when a fake
+    backward starts and removed when it returns, so nothing of the patch stays on those nodes
+    and a later real backward runs no code of the patch."""
+    lin, ref = _lin(), _lin()
+    x = torch.randn(2, 3)
+    with fakegrad_patch.trace.capture("debug") as events, fake_mode():
+        kept = lin(x).sum()  # keeps the nodes alive, as DDP does
+        assert fakegrad_patch.status()["armed_leaves"] == 0  # a forward arms nothing
+        kept.backward(retain_graph=True)
+    armed = [e for e in events if e["event"] == "leaf_armed"]
+    released = [e for e in events if e["event"] == "leaf_released"]
+    assert len(armed) == len(released) == 2
+    assert fakegrad_patch.status()["armed_leaves"] == 0
+    assert fakegrad_patch.release_hooks() == 0
+    lin.zero_grad()
+    with fakegrad_patch.trace.capture("debug") as events:
+        lin(x).sum().backward()  # real graph over the same (kept) nodes
+    assert events == []
+    ref(x).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    with fake_mode():
+        kept.backward()  # the kept fake graph is armed again for its own backward
+    assert is_real(lin.weight.grad)
+    torch.testing.assert_close(lin.weight.grad, 2 * ref.weight.grad)
+
+
+@propagating
+def test_release_hooks_removes_the_hooks_uninstall_left() -> None:
     lin = _lin()
     x = torch.randn(2, 3)
-    gc_before = fakegrad_patch.status()["armed_leaves"]
     with fake_mode():
-        kept = lin(x).sum()  # keeps the nodes alive, as DDP does
-        assert fakegrad_patch.status()["armed_leaves"] == gc_before + 2
-    assert fakegrad_patch.release_hooks() >= 2
-    assert fakegrad_patch.status()["armed_leaves"] == 0
-    with fake_mode():
-        lin(x).sum().backward()
-    assert is_real(lin.weight.grad)
-    del kept
+        kept = lin(x).sum()
+        fakegrad_patch.uninstall()
+        try:
+            assert fakegrad_patch.status()["armed_leaves"] >= 2  # for graphs built while on
+            assert fakegrad_patch.release_hooks() >= 2
+            assert fakegrad_patch.status()["armed_leaves"] == 0
+            kept.backward()  # released: upstream behaviour
+        finally:
+            fakegrad_patch.install()
+    assert isinstance(lin.weight.grad, FakeTensor)

@@ -199,7 +199,7 @@ def test_no_hooks_remain_once_the_fake_graph_is_gone() -> None:
     before = fakegrad_patch.status()["armed_leaves"]  # other tests' graphs, if still alive
     with fake_mode():
         loss = model(x).sum()
-        assert fakegrad_patch.status()["armed_leaves"] == before + 4
+        assert fakegrad_patch.status()["armed_leaves"] == before  # armed at backward, not here
         loss.backward()
     del loss
     gc.collect()

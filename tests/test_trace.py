@@ -275,12 +275,11 @@ def test_internal_error_event(monkeypatch: pytest.MonkeyPatch) -> None:
     applied = _patch.current()
     assert applied is not None
 
-    class Broken:
-        def on_fake_grad(self, leaf: Any, grad: Any) -> None:
-            raise RuntimeError("boom")
+    def broken(leaf: Any, grad: Any) -> None:
+        raise RuntimeError("boom")
 
-    applied.arming()  # first-need probes and calibration run with the real materializer
-    monkeypatch.setattr(applied, "materializer", Broken())
+    applied.ready()  # first-need probes and calibration run with the real materializer
+    monkeypatch.setattr(applied.materializer, "on_fake_grad", broken)
     model = _model()
     with warnings.catch_warnings(), trace.capture("error") as captured:
         warnings.simplefilter("ignore", fakegrad_patch.FakeGradPatchWarning)

@@ -1,0 +1,307 @@
+"""Where leaves are armed: the wrapper around ``torch.autograd.backward``.
+
+A fake gradient reaches a *real* leaf only when a backward pass runs from a fake root, or with
+fake ``grad_tensors``, through a graph that holds the real leaf's AccumulateGrad node (the leaf
+was an op input under ``allow_non_fake_inputs``, or a real op on it fed the mode: FINDINGS D3).
+So arming happens there, once per backward call, outside any dispatch:
+
+1. The call's roots and gradients are looked at (one type test each). No fake one, or fakes of a
+   mode that does not propagate real values while ``on_missing`` was not set explicitly: the call
+   goes to torch untouched. That is every real backward, and every backward of PyTorch's own
+   fake-tensor users (torch.compile, compiled autograd, export, make_fx, FlopCounterMode, memory
+   estimators), none of which propagates real values; inside a functorch transform or a
+   compiled-autograd trace nothing is armed either.
+2. Otherwise the graph is walked once from the roots (``Node.next_functions``) to its
+   AccumulateGrad nodes; every node whose ``variable`` is a real tensor gets the pre-hook of
+   _accumulate (one per node, reference-counted across concurrent and reentrant backward calls).
+3. When the call returns (or raises), the hooks it added are removed: nothing of the patch stays
+   on any node, so later real backward passes, DistributedDataParallel's kept-alive
+   AccumulateGrad nodes and compiled-autograd captures never see it.
+
+Entry points covered: ``Tensor.backward`` (it calls ``torch.autograd.backward`` at call time),
+``torch.autograd.backward`` with a fake root, fake ``grad_tensors`` into a real graph (and a real
+leaf given as the root: its node is created here and held for the call), ``inputs=...``,
+reentrant checkpointing (its inner backward calls ``torch.autograd.backward``), real non-leaves
+with ``retain_grad()`` that feed the mode (armed at conversion by _values, see
+:meth:`Arming.arm_retained`), graphs spanning several modes, one thread per backward. Graphs built
+while the patch is installed and backwarded after ``uninstall()``: ``uninstall()`` arms the leaves
+of every live propagating converter's records with hooks that stay until their node dies
+(:meth:`Arming.arm_for_uninstall`). Not covered (they never call ``torch.autograd.backward``): the
+private engine entry ``torch._C._EngineBase.run_backward`` called directly, and references to
+``torch.autograd.backward`` taken before the patch was applied.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from . import _config, _leaves, trace
+from ._probes import bypassed
+from ._targets import Resolved
+from ._weak import WeakIdTable
+
+#: The one lock of arming: taken once per armed backward call (a batch of leaves), never by a
+#: gradient write.
+_lock = threading.Lock()
+#: id(AccumulateGrad node) -> [node, RemovableHandle, count of backward calls that armed it]
+_hooked: dict[int, list[Any]] = {}
+#: hooks that outlive their backward call (armed by uninstall()): they die with their node
+_lasting: list[Any] = []
+
+PreHookFactory = Callable[[torch.Tensor], Callable[[tuple[Any, ...]], Any]]
+
+
+class Arming:
+    """One installation's arming: the backward wrapper and the hook bookkeeping."""
+
+    def __init__(self, resolved: Resolved, make_prehook: PreHookFactory, applied: Any) -> None:
+        self._r = resolved
+        self._make_prehook = make_prehook
+        self._applied = applied
+        self._is_fake = resolved.is_fake
+        self._tracing = resolved.torch_is_tracing
+        self.active = True
+        # the node class, from a node (installation may happen inside inference_mode)
+        with resolved.ordinary_dispatch(), torch.inference_mode(False), torch.enable_grad():
+            probe = torch.zeros(1, requires_grad=True)
+            self._accumulate_grad_cls = type(resolved.grad_accumulator(probe))
+        del probe
+        #: real non-leaves with retain_grad() whose hooks are in place
+        self._retained: WeakIdTable[bool] = WeakIdTable()
+
+    # -- the wrapper ---------------------------------------------------------------------------
+
+    def backward(
+        self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if not self.active or bypassed():
+            return wrapped(*args, **kwargs)
+        token = None
+        try:
+            token = self._arm_call(args, kwargs)
+        except Exception as exc:  # never break the host's backward
+            self._applied.internal_error("backward", exc)
+        if token is None:
+            return wrapped(*args, **kwargs)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            self.disarm(token)
+
+    def _arm_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+        tensors = args[0] if args else kwargs.get("tensors")
+        grads = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
+        is_fake = self._is_fake
+        roots = _as_tuple(tensors)
+        if roots is None:
+            return None
+        given = _as_tuple(grads) if grads is not None else ()
+        if given is None:
+            return None
+        modes = [t.fake_mode for t in roots if is_fake(t)]
+        modes += [g.fake_mode for g in given if g is not None and is_fake(g)]
+        if not modes:
+            return None  # the common case: a real backward
+        if not (
+            any(getattr(m, "propagate_real_tensors", False) for m in modes)
+            or _config.current().on_missing_explicit
+        ):
+            return None  # upstream's behaviour where no real values exist (issue 17)
+        if self._tracing():
+            return None
+        if not self._applied.ready():
+            return None  # probe D1: this torch writes real gradients itself
+        values = self._applied.values
+        for mode in modes:
+            values.check_mode(mode)
+        pairs, keep = self.collect(roots)
+        for t in roots:
+            if not is_fake(t) and t.requires_grad and t.grad_fn is not None and t.retains_grad:
+                self.arm_retained(t)
+        return self.arm(pairs, keep)
+
+    # -- the walk ------------------------------------------------------------------------------
+
+    def collect(self, roots: Iterable[Any]) -> tuple[list[tuple[Any, Any]], list[Any]]:
+        """``(real leaf, its AccumulateGrad node)`` for every real leaf of the roots' graphs, and
+        the nodes to hold for the call (a real leaf given as a root has no graph yet)."""
+        is_fake, acc_cls = self._is_fake, self._accumulate_grad_cls
+        pairs: list[tuple[Any, Any]] = []
+        keep: list[Any] = []
+        stack: list[Any] = []
+        for t in roots:
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                continue
+            fn = t.grad_fn
+            if fn is not None:
+                stack.append(fn)
+            elif not is_fake(t):
+                node = self._r.grad_accumulator(t)
+                if node is not None:
+                    keep.append(node)
+                    pairs.append((t, node))
+        seen = {id(n) for n in stack}
+        keep.extend(stack)  # wrappers stay alive during the walk: their ids stay unique
+        while stack:
+            for nxt, _ in stack.pop().next_functions:
+                if nxt is None or id(nxt) in seen:
+                    continue
+                seen.add(id(nxt))
+                keep.append(nxt)
+                if type(nxt) is acc_cls:
+                    leaf = nxt.variable
+                    if not is_fake(leaf):
+                        pairs.append((leaf, nxt))
+                else:
+                    stack.append(nxt)
+        return pairs, keep
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def arm(self, pairs: list[tuple[Any, Any]], keep: Any = None) -> list[Any]:
+        """Hook every node of ``pairs`` for one backward call; returns the token for disarm."""
+        token: list[Any] = []
+        new: list[Any] = []
+        with _lock:
+            for leaf, node in pairs:
+                key = id(node)
+                entry = _hooked.get(key)
+                if entry is not None and entry[0] is node:
+                    entry[2] += 1
+                else:
+                    handle = node.register_prehook(self._make_prehook(leaf))
+                    entry = [node, handle, 1]
+                    _hooked[key] = entry
+                    new.append(leaf)
+                token.append(entry)
+        for leaf, _node in pairs:
+            _leaves.note_grad(leaf)
+        if new and trace.enabled(trace.DEBUG) and not bypassed():
+            for leaf in new:
+                trace.emit("leaf_armed", trace.DEBUG, **_leaves.leaf_fields(leaf))
+        del keep
+        return token
+
+    def disarm(self, token: list[Any]) -> None:
+        released: list[Any] = []
+        with _lock:
+            for entry in token:
+                entry[2] -= 1
+                if entry[2] == 0:
+                    entry[1].remove()
+                    if _hooked.get(id(entry[0])) is entry:
+                        del _hooked[id(entry[0])]
+                    released.append(entry[0])
+        if released and trace.enabled(trace.DEBUG) and not bypassed():
+            for node in released:
+                leaf = getattr(node, "variable", None)
+                if leaf is not None:
+                    trace.emit("leaf_released", trace.DEBUG, **_leaves.leaf_fields(leaf))
+
+    def arm_lasting(self, tensors: Iterable[Any]) -> int:
+        """Hooks that stay until their node dies, on the leaves reachable from ``tensors`` (real
+        leaves, or real non-leaves whose graph is walked): for graphs built while the patch was
+        installed and backwarded after ``uninstall()``."""
+        leaves: list[Any] = []
+        roots: list[Any] = []
+        for t in tensors:
+            if t.grad_fn is None:
+                leaves.append(t)
+            else:
+                roots.append(t)
+        pairs, keep = self.collect(roots)
+        get_node = self._r.grad_accumulator
+        for leaf in leaves:
+            # A leaf whose node is gone gets a fresh one that dies with this call, hook and all.
+            node = get_node(leaf)
+            if node is not None:
+                keep.append(node)
+                pairs.append((leaf, node))
+        count = 0
+        with _lock:
+            for leaf, node in pairs:
+                entry = _hooked.get(id(node))
+                if entry is not None and entry[0] is node:
+                    continue  # a running backward holds it; it finishes that call itself
+                _lasting.append(node.register_prehook(self._make_prehook(leaf)))
+                count += 1
+            _prune_lasting()
+        del keep
+        return count
+
+    # -- real non-leaves with retain_grad() ----------------------------------------------------
+
+    def arm_retained(self, t: torch.Tensor) -> None:
+        """A real non-leaf with ``retain_grad()`` feeding the mode: its retain hook stores
+        ``grad.clone()`` (or ``prior + grad``) computed on a fake gradient. A tensor hook (runs
+        before it) remembers the prior real ``.grad``; a pre-hook on the same node (runs after it)
+        replaces the fake ``.grad`` by its real values, or applies ``on_missing``. They live as
+        long as the tensor's node."""
+        if t in self._retained:
+            return
+        self._retained.set(t, True)
+        t_ref = weakref.ref(t)
+        box: dict[str, Any] = {}
+        fix = self._applied.hooks.fix_retained
+
+        def remember_prior(_grad: Any) -> None:
+            tensor = t_ref()
+            box["prior"] = None if tensor is None else tensor.grad
+
+        def fix_retained(_grads: tuple[Any, ...]) -> None:
+            tensor = t_ref()
+            if tensor is not None:
+                fix(tensor, box.pop("prior", None))
+
+        t.register_hook(remember_prior)
+        t.grad_fn.register_prehook(fix_retained)  # type: ignore[union-attr]
+
+
+def _as_tuple(x: Any) -> tuple[Any, ...] | None:
+    """The tensors of a ``backward`` argument, or None for a kind we do not look into (an
+    iterator would be consumed)."""
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)):
+        return tuple(x)
+    return None
+
+
+def _prune_lasting() -> None:
+    """Drop handles whose node is gone (caller holds the lock); amortized O(1)."""
+    global _lasting
+    if len(_lasting) > 64 and len(_lasting) > 2 * _Lasting.after_prune:
+        _lasting = [h for h in _lasting if h.hooks_dict_ref() is not None]
+        _Lasting.after_prune = len(_lasting)
+
+
+class _Lasting:
+    after_prune = 0
+
+
+def release_all() -> int:
+    """Remove every hook of the patch still attached to a live node; return how many."""
+    removed = 0
+    with _lock:
+        for entry in list(_hooked.values()):
+            entry[1].remove()
+            removed += 1
+        _hooked.clear()
+        for handle in _lasting:
+            if handle.hooks_dict_ref() is not None:
+                handle.remove()
+                removed += 1
+        _lasting.clear()
+        _Lasting.after_prune = 0
+    return removed
+
+
+def armed_count() -> int:
+    """Hooks of the patch on live nodes now (for ``status()``, tests and doctor)."""
+    with _lock:
+        return len(_hooked) + sum(1 for h in _lasting if h.hooks_dict_ref() is not None)

@@ -1,0 +1,275 @@
+"""Where values are kept right: the wrapper around ``FakeTensorConverter.from_real_tensor``.
+
+Every real tensor that enters a fake computation is converted here (op inputs under
+``allow_non_fake_inputs``, ``mode.from_tensor``, a FakeTensor of another mode). In a mode that
+does not propagate real values the wrapper returns at once (one attribute test): nothing is
+armed, probed or recorded there, so PyTorch's own fake-tensor users (torch.compile, export,
+make_fx, estimators) meet upstream's converter. In a propagating mode it keeps the fake's
+propagated values equal to the real source's, **per converter**:
+
+* **D2** (probe): on builds where a converted ``nn.Parameter`` (or any tensor whose type is not
+  exactly ``torch.Tensor``, and every view of one: converted through its base) gets an
+  uninitialised ``real_tensor``, the whole storage is copied from the source, for each
+  converter that converts it.
+* **Foreign fakes**: a FakeTensor of mode A converted by mode B (a module shared by models run in
+  two modes, a loss summed across modes) gets A's propagated values; where A has none, B's copy
+  gets none either (never uninitialised memory), so its gradients follow ``on_missing``.
+* **Stale copies**: a converter returns the fake of its first conversion (memo) even after the
+  real tensor changed (an optimizer step between two graphs of one mode): re-synced when the
+  source's version counter moved since this converter last synced it.
+* **Managed gradients**: a real ``.grad`` the patch wrote, converted inside the mode
+  (``zero_grad(set_to_none=False)``, ``clip_grad_norm_``): the fake's propagated values are the
+  real gradient itself, so in-place changes reach it once, as in eager mode.
+* **Conversions the patch did not see** (issue 19): on builds with D2, the first time a converter
+  is met after the patch was applied (again), the tensors it converted before are compared with
+  this module's records; a Parameter converted while the patch was not installed had
+  uninitialised values, so everything its mode computed is untrusted: real gradients are not
+  written for that mode (trace, warning, ``on_missing``), never silently wrong ones.
+
+Records are :class:`~fakegrad_patch._weak.WeakIdTable` s: O(1) per conversion at any size, and
+they outlive ``uninstall()`` (a later installation reads them). No value is ever compared.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from . import _config, _leaves, trace
+from ._probes import D2, FOREIGN_FAKE, bypassed
+from ._weak import WeakIdTable
+
+#: converter -> (real source root -> (weak ref to the fake root, data pointer of its propagated
+#: storage, source version when synced))
+_records: WeakIdTable[WeakIdTable[tuple[Any, int, int]]] = WeakIdTable()
+#: converter -> the generation in which its earlier conversions were last checked
+_contacts: WeakIdTable[int] = WeakIdTable()
+#: mode -> why its propagated values cannot be trusted
+_tainted: WeakIdTable[str] = WeakIdTable()
+
+
+class _Generation:
+    """Bumped by every uninstall(): conversions may have happened unseen since."""
+
+    value = 0
+
+
+def new_generation() -> None:
+    _Generation.value += 1
+
+
+def tainted(mode: Any) -> bool:
+    return len(_tainted) > 0 and mode in _tainted
+
+
+def records() -> Any:
+    """Every live ``(converter, table)`` (for uninstall's lasting hooks)."""
+    return _records.items()
+
+
+class Values:
+    """One installation's converter wrapper."""
+
+    def __init__(self, resolved: Any, probes: Any, applied: Any) -> None:
+        self._r = resolved
+        self._probes = probes
+        self._applied = applied
+        self._is_fake = resolved.is_fake
+        self._real_of = resolved.real_of
+        self.active = True
+
+    # -- the wrapper ---------------------------------------------------------------------------
+
+    def from_real_tensor(
+        self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        fake = wrapped(*args, **kwargs)
+        if not self.active or bypassed():
+            return fake
+        try:
+            mode = args[0] if args else kwargs["fake_mode"]
+            if getattr(mode, "propagate_real_tensors", False):
+                t = args[1] if len(args) > 1 else kwargs["t"]
+                self._propagating(instance, mode, t, fake, op_input=len(args) == 2 and not kwargs)
+            else:
+                self._not_propagating(instance, mode, args, kwargs, fake)
+        except Exception as exc:  # never break the host's fake computation
+            self._applied.internal_error("convert", exc)
+        return fake
+
+    def _not_propagating(
+        self, conv: Any, mode: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fake: Any
+    ) -> None:
+        """No real values: upstream's behaviour unless the user asked for a policy (then the
+        op-input leaves are noted for uninstall and retained non-leaves get their hooks), or a
+        ``mirror_to_sources`` switch is open."""
+        fake_leaves = self._applied.fake_leaves
+        if fake_leaves.mirroring():
+            fake_leaves.on_convert(mode, args[1] if len(args) > 1 else kwargs["t"], fake)
+        if not _config.current().on_missing_explicit or len(args) != 2 or kwargs:
+            return
+        t = args[1]
+        if t.requires_grad:
+            self._note(conv, t)
+            if t.grad_fn is not None and t.retains_grad:
+                self._applied.arming.arm_retained(t)
+
+    def _propagating(self, conv: Any, mode: Any, t: Any, fake: Any, op_input: bool) -> None:
+        if _contacts.get(conv) != _Generation.value:
+            self._contact(conv, mode, t)
+        if self._is_fake(t):
+            self._sync(conv, fake, t, foreign=True)
+        elif t.requires_grad:
+            self._sync(conv, fake, t)
+            if op_input and t.grad_fn is not None and t.retains_grad:
+                self._applied.arming.arm_retained(t)
+        elif _leaves.has_managed_grads() and _leaves.managed_grad(t):
+            self._alias_grad(fake, t)
+        else:
+            self._sync(conv, fake, t)
+        # grad-copy fidelity (probe D4) and mirror_to_sources (issue 7)
+        self._applied.fake_leaves.on_convert(mode, t, fake)
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def _table(self, conv: Any) -> WeakIdTable[tuple[Any, int, int]]:
+        table = _records.get(conv)
+        if table is None:
+            table = WeakIdTable()
+            _records.set(conv, table)
+        return table
+
+    def _note(self, conv: Any, t: Any) -> None:
+        table = self._table(conv)
+        if t not in table:
+            table.set(t, (None, 0, -1))
+
+    # -- D2, foreign fakes, stale copies ---------------------------------------------------------
+
+    def _sync(self, conv: Any, fake: Any, source: Any, *, foreign: bool = False) -> None:
+        real = self._real_of(fake)
+        if real is None:
+            return
+        root = source._base if source._base is not None else source
+        if foreign:
+            values = self._real_of(source)
+            if values is None:
+                # Mode A had no real values for it: B's copy would be uninitialised memory.
+                with self._r.no_dispatch():
+                    fake.real_tensor = None
+                return
+            version = values._version
+        else:
+            if root.device.type == "meta":
+                return
+            values = source
+            version = source._version
+        table = self._table(conv)
+        fake_root = fake._base if fake._base is not None else fake
+        data = real.untyped_storage().data_ptr()
+        entry = table.get(root)
+        reason: str | None = None
+        if entry is not None and entry[1] == data:
+            # The same fake (tensor memo), or a new fake over the buffer we synced before (2.14's
+            # storage memo keeps it while a kept graph's saved views hold it; or the allocator
+            # reused a freed buffer's address: then a copy costs one pass and is still right).
+            same_fake = entry[0] is not None and entry[0]() is fake_root
+            if same_fake and entry[2] == version:
+                return  # the common case: a memo hit, nothing changed
+            if not same_fake and self._d2_applies(root, foreign):
+                reason = "d2"  # maybe a fresh copy at a reused address: uninitialised
+            elif entry[2] != version:
+                reason = "stale"
+        elif self._d2_applies(root, foreign):
+            reason = "d2"  # upstream just made this copy, uninitialised on builds with D2
+        if reason is not None:
+            self._copy_values(real, values, source, reason)
+        table.set(root, (weakref.ref(fake_root), data, version))
+
+    def _d2_applies(self, root: Any, foreign: bool) -> bool:
+        if foreign:
+            return self._probes.has(FOREIGN_FAKE)
+        return type(root) is not torch.Tensor and self._probes.has(D2)
+
+    def _copy_values(self, real: Any, values: Any, source: Any, reason: str) -> None:
+        with self._r.no_dispatch(), torch.no_grad():
+            src_storage = values.untyped_storage()
+            dst_storage = real.untyped_storage()
+            if (
+                src_storage.nbytes() == dst_storage.nbytes()
+                and real.storage_offset() == values.storage_offset()
+                and real.stride() == values.stride()
+            ):
+                dst_storage.copy_(src_storage)  # every alias of the source at once
+                nbytes = src_storage.nbytes()
+            else:
+                real.copy_(values.detach())
+                nbytes = real.numel() * real.element_size()
+        if trace.enabled(trace.INFO):
+            event = "d2_repaired" if reason == "d2" else "propagated_values_resynced"
+            trace.emit(event, trace.INFO, **_leaves.leaf_fields(source), bytes=nbytes)
+
+    # -- conversions the patch did not see -----------------------------------------------------
+
+    def check_mode(self, mode: Any) -> bool:
+        """Before a backward from ``mode``'s fakes: is the mode tainted? (Checks its converter's
+        earlier conversions once per generation.)"""
+        conv = getattr(mode, "fake_tensor_converter", None)
+        if (
+            conv is not None
+            and getattr(mode, "propagate_real_tensors", False)
+            and _contacts.get(conv) != _Generation.value
+        ):
+            self._contact(conv, mode, None)
+        return tainted(mode)
+
+    def _contact(self, conv: Any, mode: Any, current: Any) -> None:
+        """First time this generation: did ``conv`` convert Parameters the patch never synced?
+        (Only where D2 makes such conversions wrong; once per converter per generation.)"""
+        _contacts.set(conv, _Generation.value)
+        if not self._probes.has(D2):
+            return
+        described = self._r.described_tensors(conv)
+        if not described:
+            return
+        table = _records.get(conv)
+        skip = {id(current), id(current._base)} if current is not None else set()
+        for src in described:
+            if type(src) is torch.Tensor or id(src) in skip or self._is_fake(src):
+                continue
+            if src.device.type == "meta" or (table is not None and src in table):
+                continue
+            _tainted.set(mode, "converted while the patch was not installed (D2)")
+            if trace.enabled(trace.WARNING):
+                trace.emit(
+                    "mode_untrusted",
+                    trace.WARNING,
+                    **_leaves.leaf_fields(src),
+                    reason="converted while the patch was not installed (D2)",
+                )
+            return
+
+    # -- managed gradients -----------------------------------------------------------------------
+
+    def _alias_grad(self, fake: Any, grad: Any) -> None:
+        """``grad`` is the real ``.grad`` of a leaf the patch manages, converted by a propagating
+        mode: make its fake's propagated values the real gradient itself, so in-place changes
+        made in the mode reach it as they would in eager mode (and reads see its current
+        values)."""
+        if self._real_of(fake) is None or fake.shape != grad.shape:
+            return
+        if fake.stride() != grad.stride() or fake.dtype != grad.dtype:
+            return
+        if self._r.op_ran_for_real() is not False:
+            # ``p.grad.mul_(3)`` with all-real arguments: FakeTensorMode already ran it on the
+            # real grad (upstream's constant propagation); an alias would apply it twice. Or we
+            # cannot tell. Upstream semantics for this op: the fake works on a copy (a fresh one
+            # if an earlier op of this mode made the alias: the converter memo returns that fake).
+            if fake.real_tensor is grad:
+                with self._r.no_dispatch():
+                    fake.real_tensor = grad.clone()
+            return
+        if fake.real_tensor is not grad:
+            fake.real_tensor = grad
