@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _config, _targets, trace
+from . import _config, _leaves, _targets, trace
 from ._accumulate import (
     Materializer,
     empty_like_contract,
@@ -182,7 +182,8 @@ class FakeLeaves:
                 propagated = real_of(grad) is not None
                 _emit_mirrored(source, fake_id, propagated, self.materializer.backward_id())
             try:
-                self.materializer.on_fake_grad(source, grad)
+                with _leaves.leaf_lock(source):  # as the real leaf's own pre-hook
+                    self.materializer.on_fake_grad(source, grad)
             except (FakeGradError, FakeGradPatchWarning):
                 raise  # on_missing="error", or the user's warnings filter (-W error)
             except Exception as exc:  # never break the host's backward
@@ -195,8 +196,6 @@ class FakeLeaves:
 def _emit_mirrored(
     source: torch.Tensor, fake_id: int, propagated: bool, backward_id: int | None
 ) -> None:
-    from . import _leaves
-
     trace.emit(
         "mirrored",
         trace.INFO,

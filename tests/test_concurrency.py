@@ -1,0 +1,227 @@
+"""Issue 19.1: concurrent backward passes into one real leaf lose nothing (every write path).
+
+Eager accumulation into a shared leaf is exact because ``AccumulateGrad::apply`` holds its
+node's mutex; the patch's pre-hook writes before that lock, so it holds the leaf's own lock.
+
+Two kinds of test. The *forced* ones make the interleaving certain instead of waiting for it:
+inside the write (after ``.grad`` was read, before it is written; and inside the in-place add,
+replaced for the target gradient by a read-modify-write that waits for the other thread), each
+thread waits up to a short time for the others to arrive. Unlocked, they all arrive and one
+update is lost, on every run; with the lock the others cannot enter, the wait times out and the
+sum is exact. The *natural* ones (sparse, mirroring, zeros) only make the backward passes start
+together at a barrier and repeat many rounds, comparing with the exact sum (integer-valued
+floats: any lost element shows).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from _helpers import fake_mode, is_real
+
+import fakegrad_patch
+
+pytestmark = pytest.mark.usefixtures("propagate")
+
+THREADS = 4
+ROUNDS = 12
+
+
+def _race(work: Callable[[int, Callable[[], None]], None], threads: int = THREADS) -> None:
+    """Run ``work(i, start)`` in ``threads`` threads; each calls ``start()`` right before its
+    backward, so the backward passes (not the forwards) run together. Re-raises the first
+    error."""
+    barrier = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        barrier.wait(30)
+
+    def run(i: int) -> None:
+        try:
+            import torch._functorch.config as functorch_config
+
+            with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+                work(i, start)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            barrier.abort()
+
+    pool = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(120)
+    assert not errors, errors
+
+
+def _grad_input(i: int, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.full(shape, float(i + 1))
+
+
+class _Rendezvous:
+    """Each caller waits until ``parties`` callers are inside at once, or ``timeout`` seconds
+    passed; ``met`` counts the callers that found the others inside."""
+
+    def __init__(self, parties: int, timeout: float = 0.3) -> None:
+        self.parties, self.timeout = parties, timeout
+        self.cond = threading.Condition()
+        self.inside = 0
+        self.met = 0
+
+    def meet(self) -> None:
+        with self.cond:
+            self.inside += 1
+            self.cond.notify_all()
+            if self.cond.wait_for(lambda: self.inside >= self.parties, self.timeout):
+                self.met += 1
+            self.inside -= 1
+
+    def reset(self) -> None:
+        self.inside = 0
+
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch) -> _Rendezvous:
+    """Make concurrent writes to one ``.grad`` interleave inside the critical section: after
+    the prior gradient was read (set path: before the adopt-or-copy decision) and inside the
+    in-place add into a real prior (a read-modify-write that waits for the others)."""
+    from fakegrad_patch import _accumulate
+
+    meet = _Rendezvous(2)
+    can_adopt = _accumulate.Materializer._can_adopt
+    fresh_copy = _accumulate.Materializer._fresh_copy
+    add_ = torch.Tensor.add_
+    targets: set[int] = set()
+
+    def slow_can_adopt(self: object, *args: object) -> bool:
+        meet.meet()
+        return can_adopt(self, *args)  # type: ignore[arg-type]
+
+    def slow_fresh_copy(*args: object) -> torch.Tensor:
+        meet.meet()
+        return fresh_copy(*args)  # type: ignore[arg-type]
+
+    def slow_add_(self: torch.Tensor, other: object, *args: object, **kwargs: object) -> object:
+        if id(self) not in targets:
+            return add_(self, other, *args, **kwargs)
+        snapshot = self.clone()
+        meet.meet()
+        self.copy_(add_(snapshot, other, *args, **kwargs))
+        return self
+
+    monkeypatch.setattr(_accumulate.Materializer, "_can_adopt", slow_can_adopt)
+    monkeypatch.setattr(_accumulate.Materializer, "_fresh_copy", staticmethod(slow_fresh_copy))
+    monkeypatch.setattr(torch.Tensor, "add_", slow_add_)
+    meet.targets = targets  # type: ignore[attr-defined]
+    return meet
+
+
+@pytest.mark.parametrize("prior", ["none", "real"], ids=["set", "accumulate"])
+def test_concurrent_writes_into_one_leaf_lose_no_update_forced(
+    prior: str, forced: _Rendezvous
+) -> None:
+    w = torch.zeros(64, requires_grad=True)
+    for _ in range(4):
+        forced.reset()
+        w.grad = torch.zeros(64) if prior == "real" else None
+        if w.grad is not None:
+            forced.targets.add(id(w.grad))  # type: ignore[attr-defined]
+
+        def work(i: int, start: Callable[[], None]) -> None:
+            with fake_mode():
+                loss = (w * float(i + 1)).sum()
+                start()
+                loss.backward()
+
+        _race(work, threads=2)
+        assert is_real(w.grad)
+        assert torch.equal(w.grad, torch.full((64,), 3.0)), w.grad
+    assert forced.met == 0  # the lock kept the second writer out of the critical section
+
+
+@pytest.mark.parametrize("prior", ["none", "real"], ids=["set", "accumulate"])
+def test_concurrent_fake_backward_into_one_leaf_loses_no_update(prior: str) -> None:
+    """The issue's repro, smaller: threads share one leaf, each with its own mode."""
+    shape = (1024, 1024)
+    w = torch.zeros(shape, requires_grad=True)
+    for _ in range(ROUNDS):
+        w.grad = torch.zeros(shape) if prior == "real" else None
+
+        def work(i: int, start: Callable[[], None]) -> None:
+            with fake_mode():
+                loss = (w * _grad_input(i, shape)).sum()
+                start()
+                loss.backward()
+
+        _race(work)
+        assert is_real(w.grad)
+        expected = float(sum(range(1, THREADS + 1)))
+        lost = int((w.grad != expected).sum())
+        assert lost == 0, f"{lost} of {w.grad.numel()} elements lost an update"
+
+
+def test_concurrent_sparse_gradients_are_all_kept() -> None:
+    emb = torch.nn.Embedding(64, 32, sparse=True)
+    ids = torch.arange(64)
+    for _ in range(ROUNDS):
+        emb.weight.grad = None
+
+        def work(i: int, start: Callable[[], None]) -> None:
+            with fake_mode():
+                loss = (emb(ids) * float(i + 1)).sum()
+                start()
+                loss.backward()
+
+        _race(work)
+        grad = emb.weight.grad
+        assert is_real(grad)
+        dense = grad.to_dense() if grad.is_sparse else grad
+        assert torch.equal(dense, torch.full((64, 32), float(sum(range(1, THREADS + 1)))))
+
+
+def test_concurrent_mirrored_gradients_reach_the_source_exactly() -> None:
+    """mirror_to_sources: per-thread modes convert the same real source; every fake leaf's
+    gradient is mirrored onto it under the source's lock."""
+    shape = (1024, 1024)
+    w = torch.zeros(shape, requires_grad=True)
+    for _ in range(ROUNDS):
+        w.grad = torch.zeros(shape)
+
+        def work(i: int, start: Callable[[], None]) -> None:
+            mode = fake_mode()
+            with fakegrad_patch.mirror_to_sources(mode), mode:
+                fw = mode.from_tensor(w)
+                loss = (fw * _grad_input(i, shape)).sum()
+                start()
+                loss.backward()
+
+        _race(work)
+        assert is_real(w.grad)
+        assert torch.equal(w.grad, torch.full(shape, float(sum(range(1, THREADS + 1)))))
+
+
+@pytest.mark.usefixtures("quiet")
+def test_concurrent_zeros_policy_keeps_the_prior_gradient() -> None:
+    """Without values (a non-propagating mode) and ``on_missing="zeros"``: the prior real
+    gradient is added to in place from every thread; it must end exactly as it started."""
+    fakegrad_patch.configure(on_missing="zeros")
+    shape = (1024, 1024)
+    w = torch.zeros(shape, requires_grad=True)
+    w.grad = torch.full(shape, 7.0)
+    prior = w.grad
+
+    def work(i: int, start: Callable[[], None]) -> None:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(fake_tensor_propagate_real_tensors=False), fake_mode():
+            loss = (w * 2).sum()
+            start()
+            loss.backward()
+
+    for _ in range(ROUNDS):
+        _race(work)
+    assert w.grad is prior and torch.equal(w.grad, torch.full(shape, 7.0))
