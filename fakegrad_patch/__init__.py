@@ -116,10 +116,13 @@ __version__ = "0.2.0"
 
 
 def configure(*, on_missing: OnMissing | None = None) -> Settings:
-    """Change settings for the whole process; return the previous ones.
+    """Change settings for the whole process; return the previous ones (pass their fields back,
+    or use :func:`patched`, to restore).
 
     on_missing: ``"drop"`` (default), ``"zeros"``, ``"error"`` or ``"keep"``; see
-    docs/configuration.md. Invalid values raise ValueError naming the valid ones.
+    docs/configuration.md. Giving it makes it explicit (``Settings.on_missing_explicit``);
+    ``None`` leaves it unchanged. Invalid values raise ValueError naming the setting, the value
+    and the valid ones; settings are then unchanged.
     """
     from . import _config
 
@@ -135,8 +138,10 @@ def settings() -> Settings:
 
 @contextlib.contextmanager
 def patched(*, on_missing: OnMissing | None = None) -> Iterator[None]:
-    """Scoped use: the patch is installed (and ``on_missing`` set) inside the block, and the
-    previous state (installed or not, settings) is restored on exit."""
+    """Scoped use: the patch is installed (and ``on_missing`` set, explicitly, when given) inside
+    the block, and the previous state (installed or not, settings exactly, the explicit flag
+    included) is restored on exit. An invalid ``on_missing`` raises ValueError before anything
+    changes."""
     from . import _config
 
     was_installed = is_installed()
@@ -226,4 +231,13 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _check_settings() -> None:
+    # Every environment setting is validated now, before the patch is installed: one
+    # FakeGradPatchWarning per invalid value (an exception only when warnings are errors).
+    from . import _config
+
+    _config.check_environment()
+
+
+_check_settings()
 install()

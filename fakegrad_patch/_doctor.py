@@ -205,46 +205,35 @@ def startup_hook() -> dict[str, Any]:
 
 
 def environment() -> dict[str, dict[str, Any]]:
-    """Each variable: the raw value and what fakegrad_patch makes of it (``error`` if invalid)."""
+    """Each environment setting of the table (``fakegrad_patch._config.SETTINGS``): the raw value
+    and what fakegrad_patch makes of it (``error`` if invalid: the value and the allowed ones)."""
     hook = _startup.hook_module()
     env: dict[str, dict[str, Any]] = {}
-    raw = os.environ.get(hook.ENV)
-    flag = hook.parse(raw)
-    env[hook.ENV] = {
-        "raw": raw,
-        "parsed": {True: "on", False: "off", None: None}[flag],
-        "error": hook.invalid_message(raw or "") if flag is None else None,
-    }
-    raw = os.environ.get(_config.ENV_ON_MISSING)
-    entry: dict[str, Any] = {"raw": raw, "parsed": _config.DEFAULT_ON_MISSING, "error": None}
-    if raw and raw.strip():
-        try:
-            entry["parsed"] = _config.validate_on_missing(raw)
-        except ValueError as exc:
-            entry["error"] = str(exc)
-    env[_config.ENV_ON_MISSING] = entry
-    raw = os.environ.get("FAKEGRAD_TRACE")
-    env["FAKEGRAD_TRACE"] = {
-        "raw": raw,
-        "parsed": ("stderr" if raw.strip() == "-" else os.path.abspath(raw.strip()))
-        if raw and raw.strip()
-        else None,
-        "error": sink_problem(raw.strip()) if raw and raw.strip() else None,
-    }
-    raw = os.environ.get("FAKEGRAD_TRACE_LEVEL")
-    entry = {"raw": raw, "parsed": None, "error": None}
-    if raw and raw.strip():
-        from . import trace
-
-        parse_level = getattr(trace, "parse_level", None)
-        if parse_level is not None:
+    for row in _config.SETTINGS:
+        if row.env is None:
+            continue
+        raw = os.environ.get(row.env)
+        if row.env == hook.ENV:
+            flag = hook.parse(raw)
+            env[row.env] = {
+                "raw": raw,
+                "parsed": {True: "on", False: "off", None: None}[flag],
+                "error": hook.invalid_message(raw or "") if flag is None else None,
+            }
+            continue
+        entry: dict[str, Any] = {"raw": raw, "parsed": None, "error": None}
+        if raw is not None and raw.strip():
             try:
-                entry["parsed"] = parse_level(raw)
-            except ValueError as exc:
-                entry["error"] = str(exc)
-        else:  # pragma: no cover - older tracer
-            entry["parsed"] = raw.strip().lower()
-    env["FAKEGRAD_TRACE_LEVEL"] = entry
+                entry["parsed"] = row.parse(raw)
+            except ValueError:
+                entry["error"] = _config.env_problem(row, raw)
+        if row.env == "FAKEGRAD_TRACE" and entry["parsed"] is not None:
+            text = entry["parsed"]
+            entry["parsed"] = "stderr" if text == "-" else os.path.abspath(text)
+            entry["error"] = sink_problem(text)
+        elif row.env == _config.ENV_ON_MISSING:
+            entry["parsed"] = entry["parsed"] or _config.DEFAULT_ON_MISSING
+        env[row.env] = entry
     return env
 
 

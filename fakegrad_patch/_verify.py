@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import _targets, trace
+from . import _config, _targets, trace
 from ._verify_report import BufferReport, ParamReport, VerifyReport
 
 ZeroGrad = Literal["none", "zeros", "never"]
@@ -102,13 +102,25 @@ def verify(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"verify: model must be a torch.nn.Module, not {type(model).__name__}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"verify: steps must be an int >= 1, not {steps!r}")
-    if zero_grad not in ZERO_GRAD_VALUES:
-        raise ValueError(
-            f"verify: zero_grad must be one of {', '.join(map(repr, ZERO_GRAD_VALUES))}, "
-            f"not {zero_grad!r}"
-        )
+    for name, value in (
+        ("steps", steps),
+        ("zero_grad", zero_grad),
+        ("atol", atol),
+        ("rtol", rtol),
+        ("check_buffers", check_buffers),
+    ):
+        try:
+            if name in ("steps", "atol", "rtol") and isinstance(value, str):
+                raise ValueError(_config.invalid_message(_config.setting(name), value))
+            _config.parse(name, value)  # the table's parsers also take command-line strings
+        except ValueError as exc:
+            raise ValueError(f"verify: {exc}") from None
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if isinstance(value, Mapping) and not all(isinstance(k, torch.dtype) for k in value):
+            raise ValueError(
+                f"verify: {_config.invalid_message(_config.setting(name), value)} "
+                "(the dict's keys must be torch dtypes)"
+            )
     _refuse_meta(model)
     eager = _copy(model, "the model")
     patched = _copy(model, "the model")

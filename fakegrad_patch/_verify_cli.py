@@ -25,6 +25,25 @@ from typing import Any
 _KEYS = ("model", "inputs", "loss_fn", "optimizer", "steps", "zero_grad")
 
 
+def _option(name: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` for the settings-table row ``name``: its parser, and on a bad value
+    an argparse error naming the option, the value given and the allowed values."""
+    from . import _config
+
+    row = _config.setting(name)
+
+    def convert(text: str) -> Any:
+        try:
+            return row.parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid value {_config.shown(text)}: expected {row.cli_allowed or row.allowed}"
+            ) from None
+
+    convert.__name__ = name  # argparse names the type in some messages
+    return convert
+
+
 class _Usage(Exception):
     """A problem with the command line or the factory: exit 2 with this message."""
 
@@ -103,15 +122,21 @@ def main(argv: list[str]) -> int:
         help="returns (model, inputs[, loss_fn[, optimizer]]) or a dict; module may be a "
         "path/to/file.py",
     )
-    parser.add_argument("--steps", type=int, help="training steps (default: the factory's, or 1)")
+    parser.add_argument(
+        "--steps", type=_option("steps"), help="training steps (default: the factory's, or 1)"
+    )
     parser.add_argument(
         "--zero-grad",
         choices=("none", "zeros", "never"),
         help="between steps: zero_grad() (none), zero_grad(set_to_none=False) (zeros), or "
         "accumulate (never); default: the factory's, or none",
     )
-    parser.add_argument("--atol", type=float, help="absolute tolerance (default: per dtype)")
-    parser.add_argument("--rtol", type=float, help="relative tolerance (default: per dtype)")
+    parser.add_argument(
+        "--atol", type=_option("atol"), help="absolute tolerance, >= 0 (default: per dtype)"
+    )
+    parser.add_argument(
+        "--rtol", type=_option("rtol"), help="relative tolerance, >= 0 (default: per dtype)"
+    )
     parser.add_argument(
         "--strict-buffers", action="store_true", help="buffers that differ fail the verdict"
     )

@@ -51,6 +51,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, Final
 
+from . import _config as _settings
 from ._errors import FakeGradPatchWarning
 
 SCHEMA_VERSION: Final = 1
@@ -61,6 +62,7 @@ _NAMES_BY_LEVEL: Final = {v: k for k, v in _LEVEL_NAMES.items()}
 ENV_PATH: Final = "FAKEGRAD_TRACE"
 ENV_LEVEL: Final = "FAKEGRAD_TRACE_LEVEL"
 ENV_MAX_BYTES: Final = "FAKEGRAD_TRACE_MAX_BYTES"
+ENV_JSON: Final = "FAKEGRAD_TRACE_JSON"
 DEFAULT_BUFFER_SIZE: Final = 10_000
 #: A trace file is rotated to ``path.1`` when it reaches this size (0: never).
 DEFAULT_MAX_BYTES: Final = 100 * 1024 * 1024
@@ -96,30 +98,15 @@ class TraceConfig:
 
 
 def parse_level(level: int | str) -> int:
-    """``"debug"``/``"info"``/``"warning"``/``"error"`` (any case) or an int -> an int."""
-    if isinstance(level, bool):
-        raise ValueError(f"invalid trace level {level!r}")
-    if isinstance(level, int) and level >= 0:
-        return level
-    if isinstance(level, str) and level.strip().lower() in _LEVEL_NAMES:
-        return _LEVEL_NAMES[level.strip().lower()]
-    raise ValueError(
-        f"invalid trace level {level!r}: expected one of {', '.join(_LEVEL_NAMES)} or an int"
-    )
+    """``"debug"``/``"info"``/``"warning"``/``"error"`` (any case) or an int >= 0 (or a string of
+    one) -> an int. ValueError naming the setting, the value and the allowed values."""
+    return int(_settings.parse("level", level))
 
 
 def parse_max_bytes(value: int | str) -> int:
-    """An int >= 0, or a string of one (``"0"`` means no limit)."""
-    if isinstance(value, bool):
-        raise ValueError(f"invalid max_bytes {value!r}")
-    if isinstance(value, str):
-        try:
-            value = int(value.strip().replace("_", ""))
-        except ValueError:
-            value = -1
-    if not isinstance(value, int) or value < 0:
-        raise ValueError(f"invalid max_bytes {value!r}: expected an int >= 0 (0: no limit)")
-    return value
+    """An int >= 0, or a string of one (``"0"`` means no limit). ValueError naming the setting,
+    the value given and the allowed values."""
+    return int(_settings.parse("max_bytes", value))
 
 
 def _warn(message: str) -> None:
@@ -140,23 +127,23 @@ def _normalize_path(path: str | os.PathLike[str] | None) -> str | None:
     return os.path.abspath(os.path.expanduser(text))
 
 
+def _env(env: str) -> Any:
+    """The parsed value of ``env`` (None when unset, blank or invalid; an invalid value warns once,
+    never raising: ``import fakegrad_patch`` checks the environment again, raising under
+    ``-W error``)."""
+    value, problem = _settings.parse_env(env)
+    if problem is not None:
+        _settings.warn_invalid_env(env, os.environ.get(env, ""), problem, may_raise=False)
+    return value
+
+
 def _config_from_env() -> TraceConfig:
-    path = _normalize_path(os.environ.get(ENV_PATH, "").strip() or None)
-    level: int | None = None
-    raw = os.environ.get(ENV_LEVEL, "").strip()
-    if raw:
-        try:
-            level = parse_level(raw)
-        except ValueError as exc:
-            _warn(f"fakegrad_patch: {ENV_LEVEL}: {exc}; using the default")
-    max_bytes = DEFAULT_MAX_BYTES
-    raw = os.environ.get(ENV_MAX_BYTES, "").strip()
-    if raw:
-        try:
-            max_bytes = parse_max_bytes(raw)
-        except ValueError as exc:
-            _warn(f"fakegrad_patch: {ENV_MAX_BYTES}: {exc}; using the default {max_bytes}")
-    return TraceConfig(path=path, level=level, max_bytes=max_bytes)
+    path = _normalize_path(_env(ENV_PATH))
+    level = _env(ENV_LEVEL)
+    max_bytes = _env(ENV_MAX_BYTES)
+    return TraceConfig(
+        path=path, level=level, max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    )
 
 
 # -- sinks ----------------------------------------------------------------------------------------
@@ -582,7 +569,7 @@ def _make_renderer() -> tuple[str, Callable[[Any], bytes]]:
     """(backend name, event dict -> one JSON line as bytes): orjson when importable (the
     ``fast`` extra), the standard library otherwise; both write the same JSON for plain data."""
     fallback = _stdlib_renderer()
-    if os.environ.get("FAKEGRAD_TRACE_JSON", "").strip().lower() == "stdlib":
+    if _env(ENV_JSON) == "stdlib":
         return "json", fallback
     try:
         import orjson
@@ -726,9 +713,10 @@ def configure_trace(
     max_bytes: rotate the file to ``path.1`` when it reaches this size; 0: no limit;
         ``None``: unchanged (default ``FAKEGRAD_TRACE_MAX_BYTES``, else 100 MiB).
     """
+    if path is not _KEEP:
+        _settings.parse("path", path)
     new_level = None if level is None else parse_level(level)
-    if buffer_size is not None and (isinstance(buffer_size, bool) or buffer_size < 0):
-        raise ValueError(f"invalid buffer_size {buffer_size!r}: expected an int >= 0")
+    new_size = None if buffer_size is None else int(_settings.parse("buffer_size", buffer_size))
     new_max = None if max_bytes is None else parse_max_bytes(max_bytes)
     with _lock:
         previous = _config
@@ -737,8 +725,8 @@ def configure_trace(
             changes["path"] = _normalize_path(path)
         if new_level is not None:
             changes["level"] = new_level
-        if buffer_size is not None:
-            changes["buffer_size"] = int(buffer_size)
+        if new_size is not None:
+            changes["buffer_size"] = new_size
         if new_max is not None:
             changes["max_bytes"] = new_max
         _apply(dataclasses.replace(previous, **changes))

@@ -21,9 +21,10 @@ whole shell or job: a process that never imports torch must not pay for wrapt (w
 asyncio and importlib.metadata) or the package.
 
 Guarantees (docs/activation.md): values are parsed strictly; anything unknown prints one line on
-stderr and activates nothing; an invalid ``FAKEGRAD_ON_MISSING`` is reported at start; no
-exception leaves :func:`init`; a ``.pth`` seen twice (or the variable plus an explicit ``import
-fakegrad_patch``) applies the patch once; nothing is ever written to stdout.
+stderr and activates nothing; an invalid setting (``FAKEGRAD_ON_MISSING``, ``FAKEGRAD_TRACE_*``)
+is reported at start; no exception leaves :func:`init`; a ``.pth`` seen twice (or the variable
+plus an explicit ``import fakegrad_patch``) applies the patch once; nothing is ever written to
+stdout.
 """
 
 import os
@@ -55,9 +56,21 @@ START_ENTRY = f"{TOPLEVEL_MODULE}:init"
 SITECUSTOMIZE_MARKER = "# fakegrad_patch start-up hook"
 
 #: ``FAKEGRAD_ON_MISSING`` and its valid values, duplicated from ``fakegrad_patch._config`` (this
-#: module may not import the package); tests/test_startup_lazy.py pins the two to each other.
+#: module may not import the package); tests/test_settings_validation.py pins the two to each
+#: other.
 ENV_ON_MISSING = "FAKEGRAD_ON_MISSING"
 ON_MISSING_VALUES = ("drop", "zeros", "error", "keep")
+#: The other environment settings the package validates at import, as this module checks them
+#: (values after stripping blanks and lower-casing; ``INT``: decimal digits, ``_`` allowed).
+#: Duplicated from the table in ``fakegrad_patch._config`` (``SETTINGS``) and pinned to it by
+#: tests/test_settings_validation.py. ``FAKEGRAD_TRACE`` (a path) is never invalid as a value.
+INT = "an integer"
+ENV_CHECKS = {
+    ENV_ON_MISSING: ON_MISSING_VALUES,
+    "FAKEGRAD_TRACE_LEVEL": ("debug", "info", "warning", "error", INT),
+    "FAKEGRAD_TRACE_MAX_BYTES": (INT,),
+    "FAKEGRAD_TRACE_JSON": ("auto", "stdlib"),
+}
 #: The module whose import triggers the activation.
 TRIGGER = "torch"
 #: How many characters of a bad value a message echoes (the rest is counted, not shown).
@@ -196,17 +209,28 @@ def _init() -> None:
     _arm()
 
 
-def on_missing_invalid() -> bool:
-    """True when ``FAKEGRAD_ON_MISSING`` is set to something ``fakegrad_patch._config`` rejects
-    (same normalisation: surrounding blanks, case)."""
-    raw = (os.environ.get(ENV_ON_MISSING) or "").strip().lower()
-    return bool(raw) and raw not in ON_MISSING_VALUES
+def setting_invalid(env: str, raw: "str | None") -> bool:
+    """True when ``env=raw`` is set to something ``fakegrad_patch._config`` rejects (same
+    normalisation: surrounding blanks, case)."""
+    allowed = ENV_CHECKS.get(env)
+    value = (raw or "").strip().lower()
+    if allowed is None or not value:
+        return False
+    if value in allowed:
+        return False
+    digits = value.replace("_", "")
+    return not (INT in allowed and digits.isdigit() and digits.isascii())
+
+
+def settings_invalid() -> bool:
+    """True when any setting the package checks at import is invalid."""
+    return any(setting_invalid(env, os.environ.get(env)) for env in ENV_CHECKS)
 
 
 def _arm() -> None:
     """Activate when torch's import begins; at once when torch is already imported, or when the
     settings are invalid (so that the warning comes at start, where the user looks for it)."""
-    if TRIGGER in sys.modules or on_missing_invalid():
+    if TRIGGER in sys.modules or settings_invalid():
         activate("pth")
         return
     state["waiting_for_torch"] = True
@@ -298,29 +322,48 @@ def _activate_deferred() -> None:
         _arm()
 
 
-def activate(origin: str) -> bool:
-    """Import ``fakegrad_patch`` (which installs the patch, lazily if torch is still importing)
-    and read its settings so that an invalid ``FAKEGRAD_ON_MISSING`` is reported now. Returns
-    True when the package installed itself; on failure prints one line on stderr and returns
-    False. What is printed always agrees with the state: a settings warning turned into an
-    exception (``-W error``) is reported as such, the patch staying installed with ``drop``."""
-    try:
-        import fakegrad_patch
+#: How many invalid settings ``-W error`` can turn into exceptions during one activation.
+_MAX_SETTING_ERRORS = 16
 
-        fakegrad_patch.install()
-    except Exception as exc:
-        state["error"] = (
-            f"{_PREFIX}not activated ({origin}): {type(exc).__name__}: {exc}; "
-            "the program continues without the patch"
-        )
+
+def activate(origin: str) -> bool:
+    """Import ``fakegrad_patch`` (which validates the settings, then installs the patch, lazily
+    if torch is still importing). Returns True when the package installed itself; on failure
+    prints one line on stderr and returns False. What is printed always agrees with the state:
+    under ``-W error`` an invalid setting's warning becomes an exception out of the import; it is
+    reported as such (one line per setting) and the import is retried (each setting is reported
+    once per process, and its default used), so the patch is active with the defaults."""
+    reported: list[str] = []
+    for _ in range(_MAX_SETTING_ERRORS):
+        try:
+            import fakegrad_patch
+
+            fakegrad_patch.install()
+            break
+        except Exception as exc:
+            if not _is_settings_warning(exc):
+                state["error"] = (
+                    f"{_PREFIX}not activated ({origin}): {type(exc).__name__}: {exc}; "
+                    "the program continues without the patch"
+                )
+                _say(state["error"])
+                return False
+            reported.append(f"{exc} ({type(exc).__name__}; the patch is active)")
+            _say(reported[-1])
+    else:
+        state["error"] = f"{_PREFIX}not activated ({origin}): too many invalid settings"
         _say(state["error"])
         return False
     state["handled"] = True
     if state["activated_by"] is None:
         state["activated_by"] = origin
-    try:
-        fakegrad_patch.settings()
-    except Exception as exc:
-        state["warning"] = f"{exc} ({type(exc).__name__}; the patch is active)"
-        _say(state["warning"])
+    if reported:
+        state["warning"] = "\n".join(reported)
     return True
+
+
+def _is_settings_warning(exc: BaseException) -> bool:
+    """Is ``exc`` fakegrad_patch's own warning raised as an exception (``-W error``)?"""
+    errors = sys.modules.get("fakegrad_patch._errors")
+    category = getattr(errors, "FakeGradPatchWarning", None)
+    return isinstance(category, type) and isinstance(exc, category)

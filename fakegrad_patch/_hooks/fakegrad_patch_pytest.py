@@ -32,6 +32,11 @@ STRICT_EVENTS = frozenset({"fake_grad_drop", "fake_grad_error", "fake_grad_keep"
 
 _STATE = pytest.StashKey[dict[str, Any]]()
 
+#: The allowed values of the plugin's boolean ini options, as ``fakegrad_patch._config.SETTINGS``
+#: words them (this module may not import the package; tests/test_settings_validation.py pins the
+#: two to each other).
+INI_ALLOWED = "a pytest boolean: y/yes/t/true/on/1 or n/no/f/false/off/0"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fakegrad", "fakegrad_patch (real gradients under FakeTensorMode)")
@@ -60,7 +65,15 @@ def _flag(config: pytest.Config, name: str) -> bool:
     option = config.getoption(name)
     if option is not None:
         return bool(option)
-    return bool(config.getini(name))
+    try:
+        return bool(config.getini(name))
+    except (ValueError, pytest.UsageError) as exc:  # pytest 9: UsageError("invalid truth value")
+        # pytest words it "invalid truth value 'raw'" (config.inicfg, the raw text, is deprecated)
+        text = str(exc)
+        shown = text.split("invalid truth value ", 1)[-1].strip() if "truth value" in text else text
+        raise pytest.UsageError(
+            f"fakegrad_patch: ini option {name}: invalid value {shown}: expected {INI_ALLOWED}"
+        ) from None
 
 
 def pytest_configure(config: pytest.Config) -> None:
