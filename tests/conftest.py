@@ -11,7 +11,7 @@ import torch
 import torch._functorch.config as functorch_config
 
 import fakegrad_patch
-from fakegrad_patch import trace
+from fakegrad_patch import _config, trace
 
 #: Set by tests/test_can_fail.py: run the suite against upstream torch to prove it fails there.
 UNPATCHED = os.environ.get("FAKEGRAD_TEST_UNPATCHED") == "1"
@@ -35,17 +35,19 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 @pytest.fixture(autouse=True)
 def patch_state() -> Iterator[None]:
     """Every test starts with the patch installed (or, for the can-fail proof, uninstalled),
-    the default policy, and leaves the trace level as it found it."""
+    the default settings (``on_missing`` not set explicitly), and leaves the settings and the
+    trace level as it found them."""
     if UNPATCHED:
         fakegrad_patch.uninstall()
     else:
         fakegrad_patch.install()
-    previous = fakegrad_patch.configure(on_missing="drop")
+    previous = _config.current()
+    _config.restore(fakegrad_patch.Settings())  # the defaults, nothing explicit
     level = trace.set_level(trace.WARNING)
     try:
         yield
     finally:
-        fakegrad_patch.configure(on_missing=previous.on_missing)
+        _config.restore(previous)
         trace.set_level(level)
 
 

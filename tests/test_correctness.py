@@ -299,6 +299,7 @@ def test_fake_gradient_into_a_real_graph(api: str) -> None:
 
 @pytest.mark.usefixtures("no_propagate")
 def test_fake_gradient_into_a_real_graph_without_values_follows_the_policy(quiet: None) -> None:
+    fakegrad_patch.configure(on_missing="drop")  # without real values: only when asked
     lin = _lin()
     lin.bias.grad = torch.ones(4)
     prior = lin.bias.grad
@@ -345,11 +346,17 @@ def test_leaf_switched_off_before_backward_gets_no_grad() -> None:
     torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
 
 
-@pytest.mark.usefixtures("no_propagate")
+@pytest.mark.parametrize("where", ["propagating", "policy_asked"])
 @pytest.mark.parametrize("steps", [1, 2])
-def test_meta_model_gets_meta_gradients_of_its_shape(steps: int) -> None:
+def test_meta_model_gets_meta_gradients_of_its_shape(steps: int, where: str) -> None:
     """Shape-only analysis: upstream gives meta leaves (fake) meta gradients; eager on meta gives
-    real meta gradients. Never dropped, never a FakeTensor."""
+    real meta gradients. Never dropped, never a FakeTensor, wherever the patch acts (a
+    propagating mode, or a mode without values when on_missing was set explicitly)."""
+    import torch._functorch.config as functorch_config
+
+    if where == "policy_asked":
+        fakegrad_patch.configure(on_missing="drop")
+    propagating = functorch_config.patch(fake_tensor_propagate_real_tensors=where == "propagating")
 
     def make() -> torch.nn.Module:
         return torch.nn.Sequential(
@@ -360,7 +367,7 @@ def test_meta_model_gets_meta_gradients_of_its_shape(steps: int) -> None:
     x = torch.empty(2, 3, 8, 8, device="meta")
     ref[0].weight.data = ref[0].weight.data.contiguous(memory_format=torch.channels_last)
     model[0].weight.data = model[0].weight.data.contiguous(memory_format=torch.channels_last)
-    with warnings.catch_warnings(record=True) as caught, fake_mode():
+    with propagating, warnings.catch_warnings(record=True) as caught, fake_mode():
         warnings.simplefilter("always")
         for _ in range(steps):
             model(x).sum().backward()

@@ -25,7 +25,33 @@ def _fake_backward(model: torch.nn.Module) -> None:
         model(torch.randn(4, 3)).sum().backward()
 
 
-def test_default_is_drop_and_warns_once_and_traces_every_drop() -> None:
+def test_default_without_real_values_is_upstream_untouched() -> None:
+    """Issue 17: a mode that does not propagate real values (memory and FLOP estimators,
+    tracers) gets upstream's FakeTensor gradients by default: no hook, no warning, no event, no
+    probe run for it."""
+    assert not fakegrad_patch.settings().on_missing_explicit
+    model = _linear()
+    model.bias.grad = torch.ones(2)
+    prior = model.bias.grad
+    known = dict(fakegrad_patch.status()["defects"])
+    fakegrad_patch._patch._state.warned.discard("drop")
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        trace.capture("debug") as events,
+        fake_mode(),
+    ):
+        warnings.simplefilter("always")
+        model(torch.randn(4, 3)).sum().backward()
+        assert fakegrad_patch.status()["armed_leaves"] == 0
+    assert not [w for w in caught if issubclass(w.category, fakegrad_patch.FakeGradPatchWarning)]
+    assert events == []
+    assert isinstance(model.weight.grad, FakeTensor)  # upstream: a FakeTensor .grad
+    assert model.bias.grad is prior  # upstream: the in-place add ran on a fake copy
+    assert fakegrad_patch.status()["defects"] == known
+
+
+def test_explicit_drop_warns_once_and_traces_every_drop() -> None:
+    fakegrad_patch.configure(on_missing="drop")
     assert fakegrad_patch.settings().on_missing == "drop"
     model = _linear()
     model.bias.grad = torch.ones(2)
@@ -143,6 +169,7 @@ def test_drop_under_warnings_as_errors_is_recorded_and_not_called_internal() -> 
     """``-W error``: the drop warning becomes the user's exception out of backward. The event is
     recorded first, the leaf keeps what it had, and nothing is labelled an internal error."""
     fakegrad_patch._patch._state.warned.discard("drop")
+    fakegrad_patch.configure(on_missing="drop")
     model = _linear()
     model.bias.grad = torch.ones(2)
     trace.clear()
@@ -162,7 +189,7 @@ def test_drop_warning_is_shown_once_per_process_across_installs_and_leaf_shapes(
         warnings.simplefilter("always")
         for i in range(20):
             fakegrad_patch.uninstall()
-            with fakegrad_patch.patched():
+            with fakegrad_patch.patched(on_missing="drop"):
                 model = torch.nn.Linear(3 + i, 2)
                 with fake_mode():
                     model(torch.randn(4, 3 + i)).sum().backward()

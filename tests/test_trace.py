@@ -215,6 +215,7 @@ def test_policy_events(policy: str, event: str, source: str) -> None:
 
 
 def test_drop_is_in_the_memory_buffer_at_the_default_level() -> None:
+    fakegrad_patch.configure(on_missing="drop")  # explicit: applies without real values
     trace.clear()
     model = _model()
     with warnings.catch_warnings():

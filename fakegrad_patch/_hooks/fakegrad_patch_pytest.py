@@ -91,10 +91,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
         state["installed_by_us"] = not fakegrad_patch.status()["wanted"]
         fakegrad_patch.install()
+        if strict and not fakegrad_patch.settings().on_missing_explicit:
+            # Strict asks for the policy everywhere: also in modes that do not propagate real
+            # values, where the patch otherwise leaves upstream's FakeTensor gradients alone.
+            state["settings"] = fakegrad_patch.configure(
+                on_missing=fakegrad_patch.settings().on_missing
+            )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(_STATE, None)
+    if state and "settings" in state:
+        from fakegrad_patch import _config
+
+        _config.restore(state["settings"])
     if state and state["installed_by_us"]:
         import fakegrad_patch
 
