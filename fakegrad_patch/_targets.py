@@ -214,12 +214,13 @@ COMPILED_AUTOGRAD = Target(
     "optional: stand aside inside compiled autograd (read only if imported)",
 )
 
-#: READ, OPTIONAL. The real tensors a converter has described (``FakeTensorConverter.meta_converter
-#: .describer.lookup_tensor``, a WeakIdKeyDictionary, same path on 2.4.0, 2.13.0, 2.14.1 and
-#: 2.15.0). On builds with D2, the first time the patch meets a converter after being applied
-#: (again), these tell whether it converted Parameters while the patch was not installed (their
-#: propagated values were uninitialised): that mode's gradients are then not written. Absent:
-#: that check is skipped.
+#: READ, OPTIONAL. What a converter converted: the real tensors it described
+#: (``FakeTensorConverter.meta_converter.describer.lookup_tensor``, a WeakIdKeyDictionary), how
+#: many new fakes it made (``meta_converter.hit``) and its memo (``FakeTensorConverter._get_memo``;
+#: read on 2.13.0, 2.14.1 and 2.15.0). On builds with D2, the first time the patch meets a
+#: converter after being applied (again), these tell whether it converted Parameters while the
+#: patch was not installed (their propagated values were uninitialised): that mode's gradients
+#: are then not written. Absent: that check is skipped.
 DESCRIBED_TENSORS = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorConverter.meta_converter",
@@ -330,6 +331,8 @@ class Resolved:
     op_ran_for_real: Callable[[], bool | None]
     torch_is_tracing: Callable[[], bool]
     described_tensors: Callable[[Any], Any]
+    conversions_made: Callable[[Any], int | None]
+    memo_of: Callable[[Any], Any]
 
 
 def resolve_all() -> Resolved:
@@ -358,6 +361,8 @@ def resolve_all() -> Resolved:
         post_accumulate_hooks=lambda leaf: getattr(leaf, "_post_accumulate_grad_hooks", None),
         torch_is_tracing=_make_torch_is_tracing(),
         described_tensors=_described_tensors,
+        conversions_made=_conversions_made,
+        memo_of=_memo_of,
     )
 
 
@@ -380,6 +385,19 @@ def _make_torch_is_tracing() -> Callable[[], bool]:
         )
 
     return torch_is_tracing
+
+
+def _conversions_made(converter: Any) -> int | None:
+    """How many new fakes ``converter``'s meta converter has made (its ``hit`` counter)."""
+    hit = getattr(getattr(converter, "meta_converter", None), "hit", None)
+    return hit if isinstance(hit, int) else None
+
+
+def _memo_of(converter: Any) -> Any:
+    """``lookup(real) -> the fake its memo holds, or None`` (``FakeTensorConverter._get_memo``),
+    or None where absent."""
+    get = getattr(converter, "_get_memo", None)
+    return get if callable(get) else None
 
 
 def _described_tensors(converter: Any) -> Any:

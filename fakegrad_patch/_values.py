@@ -48,6 +48,8 @@ _records: WeakIdTable[WeakIdTable[tuple[Any, int, int]]] = WeakIdTable()
 _contacts: WeakIdTable[int] = WeakIdTable()
 #: mode -> why its propagated values cannot be trusted
 _tainted: WeakIdTable[str] = WeakIdTable()
+#: converter -> how many new conversions it had made when the patch last saw one (D2 builds)
+_made: WeakIdTable[int] = WeakIdTable()
 
 
 class _Generation:
@@ -79,6 +81,8 @@ class Values:
         self._is_fake = resolved.is_fake
         self._real_of = resolved.real_of
         self.active = True
+        #: probe D2, read at the first propagating conversion
+        self._d2: bool | None = None
 
     # -- the wrapper ---------------------------------------------------------------------------
 
@@ -119,6 +123,12 @@ class Values:
     def _propagating(self, conv: Any, mode: Any, t: Any, fake: Any, op_input: bool) -> None:
         if _contacts.get(conv) != _Generation.value:
             self._contact(conv, mode, t)
+        if self._d2 is None:
+            self._d2 = self._probes.has(D2)
+        if self._d2:
+            made = self._r.conversions_made(conv)
+            if made is not None:
+                _made.set(conv, made)
         if self._is_fake(t):
             self._sync(conv, fake, t, foreign=True)
         elif t.requires_grad:
@@ -227,7 +237,12 @@ class Values:
 
     def _contact(self, conv: Any, mode: Any, current: Any) -> None:
         """First time this generation: did ``conv`` convert Parameters the patch never synced?
-        (Only where D2 makes such conversions wrong; once per converter per generation.)"""
+        (Only where D2 makes such conversions wrong; once per converter per generation.)
+
+        A Parameter it described that has no record of ours was converted unseen. When the
+        converter made new conversions since the patch last saw one, a Parameter whose recorded
+        fake is gone (or is not the one the converter's memo holds now) may have been re-converted
+        unseen too: not proven right, so not trusted."""
         _contacts.set(conv, _Generation.value)
         if not self._probes.has(D2):
             return
@@ -235,12 +250,22 @@ class Values:
         if not described:
             return
         table = _records.get(conv)
+        made = self._r.conversions_made(conv)
+        unseen = made is not None and made > _made.get(conv, 0) + (current is not None)
+        memo = self._r.memo_of(conv)
         skip = {id(current), id(current._base)} if current is not None else set()
         for src in described:
             if type(src) is torch.Tensor or id(src) in skip or self._is_fake(src):
                 continue
-            if src.device.type == "meta" or (table is not None and src in table):
+            if src.device.type == "meta":
                 continue
+            entry = table.get(src) if table is not None else None
+            if entry is not None:
+                if not unseen:
+                    continue
+                ours = entry[0]() if entry[0] is not None else None
+                if ours is not None and (memo is None or memo(src) in (None, ours)):
+                    continue
             _tainted.set(mode, "converted while the patch was not installed (D2)")
             if trace.enabled(trace.WARNING):
                 trace.emit(
