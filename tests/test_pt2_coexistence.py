@@ -1,0 +1,253 @@
+"""Coexistence with PyTorch's own fake-tensor users (issue 17): the patch must be invisible.
+
+``import fakegrad_patch`` is meant to be switched on for a whole process, so it sits under every
+user of FakeTensorMode there, most of them PyTorch itself (torch.compile, compiled autograd,
+torch.export, make_fx, FlopCounterMode, MemTracker). None of the programs here propagates real
+values, so with the patch each must run exactly as without it.
+
+Every program of tests/pt2/programs.py runs in fresh interpreters (tests/pt2/runner.py), once with
+``import fakegrad_patch`` first and once without fakegrad_patch ever imported; the two records are
+compared bit for bit (outputs, gradients with their type, parameters after optimizer steps,
+buffers, exceptions, the code of every captured graph, dynamo's counters, torch's warnings). Two
+tests per program:
+
+* ``test_same_behaviour``: no crash, the same record as without the patch;
+* ``test_patch_stays_out``: in the patched run no fakegrad_patch warning, no trace event at
+  ``info`` or above, no ``leaf_armed`` or ``defect_probed`` event, no armed leaf and no probe
+  result known (``status()``) after the program.
+
+The programs of one group share an interpreter per mode (start-up costs ~2 s); the patched and
+unpatched interpreters of a group run in parallel. A crash (signal) is charged to the program it
+hit and the group goes on in a new interpreter. ``PT2_COEXIST_ISOLATE=1`` runs every program in its
+own interpreters (exact attribution of once-per-process work such as probes; slower).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PT2 = pathlib.Path(__file__).resolve().parent / "pt2"
+RUNNER = PT2 / "runner.py"
+#: Seconds for one interpreter (a group of programs, or what is left of it after a crash).
+TIMEOUT = float(os.environ.get("PT2_COEXIST_TIMEOUT", "300"))
+ISOLATE = os.environ.get("PT2_COEXIST_ISOLATE") == "1"
+#: A directory to write every record to (``<mode>.json``), for reading what a run saw.
+DUMP = os.environ.get("PT2_COEXIST_DUMP")
+
+
+def _load_programs() -> Any:
+    spec = importlib.util.spec_from_file_location("pt2_programs", PT2 / "programs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+PROGRAMS: dict[str, tuple[str, Any]] = _load_programs().PROGRAMS
+NAMES = list(PROGRAMS)
+
+
+def _env(cache_dir: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")}
+    env.update(
+        TORCHINDUCTOR_CACHE_DIR=cache_dir,  # cold for each interpreter: nothing shared, no cache
+        TORCHINDUCTOR_COMPILE_THREADS="1",  # no compile worker pool on a 2-core machine
+        OMP_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
+    )
+    return env
+
+
+def _run_mode(mode: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Run ``names`` in as few interpreters as crashes allow; one record per name."""
+    records: dict[str, dict[str, Any]] = {}
+    left = list(names)
+    while left:
+        batch = left[:1] if ISOLATE else left
+        with tempfile.TemporaryDirectory(prefix=f"pt2-{mode}-") as tmp:
+            out = pathlib.Path(tmp) / "records.jsonl"
+            start = time.perf_counter()
+            try:
+                proc = subprocess.run(
+                    [sys.executable, str(RUNNER), mode, str(out), *batch],
+                    env=_env(str(pathlib.Path(tmp) / "inductor")),
+                    capture_output=True,
+                    text=True,
+                    timeout=TIMEOUT,
+                )
+                failure = None if proc.returncode == 0 else f"exit status {proc.returncode}"
+                stderr = proc.stderr
+            except subprocess.TimeoutExpired as exc:
+                failure = f"timed out after {TIMEOUT:.0f} s"
+                stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+            elapsed = time.perf_counter() - start
+            lines = (
+                [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+            )
+        started = None
+        for line in lines:
+            if line.get("started"):
+                started = line["name"]
+            else:
+                records[line["name"]] = line
+                started = None
+        done = [n for n in batch if n in records]
+        if started is None and len(done) < len(batch):
+            started = batch[len(done)]  # died before writing even the start line
+        if started is not None:
+            records[started] = {
+                "name": started,
+                "crash": failure or "no record written",
+                "stderr_tail": stderr[-3000:],
+                "seconds": round(elapsed, 3),
+            }
+        left = [n for n in left if n not in records]
+    return records
+
+
+class _Runs:
+    """Each group runs once per session, patched and unpatched in parallel."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+
+    def get(self, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        with self._lock:
+            if name not in self._done:
+                group = PROGRAMS[name][0]
+                names = [n for n in NAMES if PROGRAMS[n][0] == group]
+                with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                    patched = pool.submit(_run_mode, "patched", names)
+                    unpatched = pool.submit(_run_mode, "unpatched", names)
+                    p, u = patched.result(), unpatched.result()
+                for n in names:
+                    self._done[n] = (p[n], u[n])
+                if DUMP:
+                    _dump(pathlib.Path(DUMP), group, p, u)
+            return self._done[name]
+
+
+def _dump(where: pathlib.Path, group: str, *records: dict[str, Any]) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    for mode, record in zip(("patched", "unpatched"), records, strict=True):
+        (where / f"{group}.{mode}.json").write_text(json.dumps(record, indent=1, sort_keys=True))
+
+
+@pytest.fixture(scope="session")
+def runs() -> _Runs:
+    return _Runs()
+
+
+def _differences(a: Any, b: Any, path: str = "", out: list[str] | None = None) -> list[str]:
+    """Paths where two JSON values differ (patched ``a``, unpatched ``b``)."""
+    out = [] if out is None else out
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            if key not in a or key not in b:
+                side = "only without the patch" if key not in a else "only with the patch"
+                out.append(f"{path}/{key}: {side}: {a.get(key, b.get(key))!r:.300}")
+            else:
+                _differences(a[key], b[key], f"{path}/{key}", out)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _differences(x, y, f"{path}[{i}]", out)
+    elif a != b:
+        out.append(f"{path}: with the patch {a!r:.600}\n    without {b!r:.600}")
+    return out
+
+
+def _baseline(unpatched: dict[str, Any]) -> None:
+    """The program itself must work without the patch (or be skipped for a missing API)."""
+    if "crash" in unpatched:
+        pytest.fail(
+            f"crashed without fakegrad_patch: {unpatched['crash']}\n{unpatched['stderr_tail']}"
+        )
+    assert unpatched["fakegrad_patch_imported"] is False, "the unpatched run imported the package"
+    if unpatched["skip"]:
+        pytest.skip(unpatched["skip"])
+    if unpatched["exception"]:
+        pytest.fail(
+            "the program fails without fakegrad_patch (fix it or add a capability check):\n"
+            + unpatched["traceback"]
+        )
+
+
+def _installed(patched: dict[str, Any]) -> None:
+    status = patched["status_after"]
+    assert status["installed"], f"the patch was not installed: {status['skipped_reason']}"
+
+
+def _warnings(line: dict[str, Any]) -> list[str]:
+    # ResourceWarning comes from the garbage collector's timing, not from the program.
+    return [w for w in line["warnings"] if not w.startswith("ResourceWarning")]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_same_behaviour(runs: _Runs, name: str) -> None:
+    patched, unpatched = runs.get(name)
+    _baseline(unpatched)
+    if "crash" in patched:
+        pytest.fail(f"crashed with fakegrad_patch: {patched['crash']}\n{patched['stderr_tail']}")
+    _installed(patched)
+    problems: list[str] = []
+    if patched["skip"] != unpatched["skip"]:
+        problems.append(f"skip: {patched['skip']!r} vs {unpatched['skip']!r}")
+    if patched["exception"] != unpatched["exception"]:
+        problems.append(
+            f"exception with the patch: {patched['exception']}\n{patched.get('traceback', '')}"
+        )
+    problems += _differences(patched["result"], unpatched["result"], "result")
+    if _warnings(patched) != _warnings(unpatched):
+        with_, without = _warnings(patched), _warnings(unpatched)
+        problems.append(f"torch's warnings differ:\n  with {with_}\n  without {without}")
+    assert not problems, f"{name} with fakegrad_patch differs from upstream:\n" + "\n".join(
+        problems[:30]
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_patch_stays_out(runs: _Runs, name: str) -> None:
+    patched, unpatched = runs.get(name)
+    _baseline(unpatched)
+    if "crash" in patched:
+        pytest.fail(f"crashed with fakegrad_patch: {patched['crash']}")
+    _installed(patched)
+    events = patched["events"]
+    status = patched["status_after"]
+    problems: list[str] = []
+    if patched["fakegrad_warnings"]:
+        problems.append(f"fakegrad_patch warnings: {patched['fakegrad_warnings']}")
+    loud = [e for e in events if e["level"] != "debug"]
+    if loud:
+        problems.append(f"trace events at info or above: {loud[:10]}")
+    armed = [e for e in events if e["event"] == "leaf_armed"]
+    if armed:
+        problems.append(f"{len(armed)} leaf_armed events")
+    probed = [e["defect"] for e in events if e["event"] == "defect_probed"]
+    if probed:
+        problems.append(f"probes ran: {probed}")
+    if status["armed_leaves"]:
+        problems.append(f"status()['armed_leaves'] == {status['armed_leaves']} after the program")
+    if status["defects"]:
+        before = patched["status_before"]["defects"]
+        problems.append(
+            f"status()['defects'] == {status['defects']} after the program"
+            + (" (known before it, from an earlier program of this interpreter)" if before else "")
+        )
+    assert not problems, f"{name}: fakegrad_patch did not stay out:\n" + "\n".join(problems)
