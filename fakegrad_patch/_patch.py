@@ -239,6 +239,11 @@ class _Applied:
         wrapt.wrap_function_wrapper(autograd, "backward", self._backward)
         self._backward_wrapper: Any = autograd.backward
 
+        from . import _ddp
+
+        self._ddp = _ddp
+        _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
+
     # -- first need: probes D1 and P1, zero-copy calibration ------------------------------------
 
     def arming(self) -> bool:
@@ -489,7 +494,8 @@ class _Applied:
     ) -> Any:
         grad_tensors = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
         if grad_tensors is None or not self._active or self._bypassed():
-            return wrapped(*args, **kwargs)  # the common case: no gradient given
+            with self._ddp.backward_scope():  # DDP inside a fake mode (see _ddp)
+                return wrapped(*args, **kwargs)  # the common case: no gradient given
         keep: list[Any] = []
         try:
             tensors = args[0] if args else kwargs.get("tensors")
@@ -497,7 +503,8 @@ class _Applied:
         except Exception as exc:  # never break the host's backward
             self.internal_error("backward", exc)
         try:
-            return wrapped(*args, **kwargs)
+            with self._ddp.backward_scope():
+                return wrapped(*args, **kwargs)
         finally:
             del keep
 
@@ -579,6 +586,7 @@ class _Applied:
         """Unwrap both functions. Hooks already armed stay: their graphs finish with real
         gradients (see _leaves). Returns how many armed hooks are left to finish."""
         self._active = False
+        self._ddp.remove()
         self._unwrap(self._cls, _ATTR, self._wrapper, self._original, self._had_own_attr)
         self._unwrap(self._autograd, "backward", self._backward_wrapper, None, True)
         return self.registry.armed_count()
