@@ -85,6 +85,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 STEPS = 3
 
 def make(cfg):
+    cfg = cfg.removeprefix("after_")
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8, 16)]
     if cfg == "batchnorm":
@@ -96,6 +97,7 @@ def make(cfg):
     return m
 
 def wrap(cfg, m):
+    cfg = cfg.removeprefix("after_")
     kw = {
         "bucket_view": {"gradient_as_bucket_view": True},
         "static_graph": {"static_graph": True},
@@ -140,6 +142,7 @@ def run(cfg):
     model, ref, local = wrap(cfg, make(cfg)), wrap(cfg, make(cfg)), make(cfg)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
     one_mode = FakeTensorMode(allow_non_fake_inputs=True) if cfg == "one_mode" else None
+    after = cfg.startswith("after_")  # the older workaround: backward after leaving the mode
     steps, reduced = [], False
     for step in range(STEPS):
         x = data(step)
@@ -147,7 +150,12 @@ def run(cfg):
         try:
             with (model.no_sync() if skip_sync else contextlib.nullcontext()):
                 with one_mode or FakeTensorMode(allow_non_fake_inputs=True):
-                    loss_of(model, x).backward()
+                    loss = loss_of(model, x)
+                    if not after:
+                        loss.backward()
+                if after:
+                    loss.backward()
+                del loss
         except Exception as exc:
             steps.append(f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
             break
@@ -158,6 +166,8 @@ def run(cfg):
             continue
         steps.append(verdict(model, ref))
         reduced = reduced or differs(ref, local)
+        if steps[-1] != "== eager DDP":
+            break  # upstream: no optimizer step on fake gradients
         for o in opts:
             o.step()
         for m in (model, ref, local):
@@ -209,45 +219,6 @@ for cfg in os.environ["CONFIGS"].split(","):
 _teardown(out)
 """
 )
-
-#: The older workaround: forward inside the fake mode, ``backward()`` after leaving it.
-AFTER_WORKER = (
-    PRELUDE
-    + r"""
-unused = os.environ["FIND_UNUSED"] == "1"
-
-def make():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-
-model = DDP(make(), find_unused_parameters=unused)
-ref = DDP(make(), find_unused_parameters=unused)  # eager DDP: the expected gradients
-steps = []
-for step in range(int(os.environ["STEPS"])):
-    torch.manual_seed(100 + 10 * step + rank)  # different data on each rank
-    x = torch.randn(4, 8)
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            loss = model(x).sum() * (rank + 1)
-        loss.backward()  # after leaving the mode: the workaround
-    except Exception as exc:
-        steps.append("raises " + type(exc).__name__)
-        break
-    (ref(x).sum() * (rank + 1)).backward()
-    kinds = set()
-    for p, r in zip(model.parameters(), ref.parameters()):
-        if isinstance(p.grad, FakeTensor):
-            kinds.add("FakeTensor")
-        elif p.grad is None:
-            kinds.add("None")
-        else:
-            kinds.add("== eager DDP" if torch.allclose(p.grad, r.grad, atol=1e-6) else "!= eager")
-    steps.append(", ".join(sorted(kinds)))
-    del loss
-_teardown(steps)
-"""
-)
-
 
 #: P1 under DDP: real DDP training steps of a model that had one fake session (forward and
 #: backward in the mode, or SESSION=after: backward after it) vs a model never touched by fakes,
@@ -315,6 +286,8 @@ CONFIGS = (
     "comm_hook",
     "one_mode",
     "join",
+    "after_default",
+    "after_find_unused",
 )
 #: Synced steps each configuration reports (no_sync: two local steps, then one synced; join:
 #: rank 0 has two batches, rank 1 three).
@@ -407,25 +380,13 @@ def test_fake_forward_and_backward_inside_ddp_give_eager_ddp_grads(
         assert result[config]["reduced"], "the reference gradient was not reduced"
 
 
-def test_upstream_ddp_fails_inside_the_mode() -> None:
-    """The same program without the patch: the allreduce is dispatched to the fake mode."""
-    for result in _run_two_ranks(MATRIX_WORKER, CONFIGS="default", PATCHED="0"):
-        (verdict,) = result["default"]["steps"]
-        assert verdict.startswith("raises RuntimeError: c10d::allreduce_"), verdict
-
-
-@pytest.mark.parametrize("find_unused", [True, False])
-def test_backward_after_the_mode_gives_eager_ddp_grads_on_every_step(find_unused: bool) -> None:
-    """Forward in the mode, backward after it: every step (the next forward's bucket rebuild runs
-    with the mode popped, which also lifts the former find_unused_parameters=True limit)."""
-    steps = _run_two_ranks(AFTER_WORKER, FIND_UNUSED=str(int(find_unused)), STEPS="3")
-    assert steps == [["== eager DDP"] * 3] * 2
-
-
-def test_upstream_ddp_leaves_fake_grads_after_the_mode() -> None:
-    """The same program without the patch: what the workaround needs the patch for."""
-    steps = _run_two_ranks(AFTER_WORKER, FIND_UNUSED="1", STEPS="2", PATCHED="0")
-    assert steps == [["FakeTensor"] * 2] * 2
+def test_upstream_ddp_fails_inside_the_mode_and_leaves_fake_grads_after_it() -> None:
+    """The same programs without the patch: inside the mode the allreduce is dispatched to the
+    fake mode and rejected; backward after the mode leaves FakeTensors in ``.grad``."""
+    for result in _run_two_ranks(MATRIX_WORKER, CONFIGS="default,after_find_unused", PATCHED="0"):
+        (inside,) = result["default"]["steps"]
+        assert inside.startswith("raises RuntimeError: c10d::allreduce_"), inside
+        assert result["after_find_unused"]["steps"] == ["FakeTensor"]
 
 
 if __name__ == "__main__":
