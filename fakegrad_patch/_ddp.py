@@ -47,6 +47,7 @@ Contract with the core (three call sites, all in fakegrad_patch/_patch.py):
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from typing import Any
@@ -66,18 +67,21 @@ class _State:
         #: wrapped (owner, attribute, wrapper, original) while installed
         self.wrapped: list[tuple[Any, str, Any, Any]] = []
         self.targets: Any = None  # the resolved DDP touch points while installed
-        self.warned = False
+        self.warned: set[str] = set()
+        self.fsdp_wrapped = False
+        self.fsdp_hook_registered = False
 
 
 _state = _State()
 
 
 def install(resolved: Any = None) -> bool:
-    """Wrap DDP's forward pieces (idempotent). False when DDP is left to upstream."""
+    """Wrap DDP's forward pieces now and FSDP2's when its module is imported (idempotent).
+    False when DDP is left to upstream."""
     from . import _targets
 
     with _state.lock:
-        if _state.wrapped:
+        if _state.targets is not None:
             return True
         try:
             targets = _targets.resolve_ddp()
@@ -89,18 +93,48 @@ def install(resolved: Any = None) -> bool:
             return False
         if targets is None:  # no torch.distributed on this build: nothing to cover
             return False
-        _state.targets = targets
         try:
-            for attr in ("_pre_forward", "_post_forward"):
-                wrapt.wrap_function_wrapper(targets.ddp_cls, attr, _around_forward_piece)
-                wrapper = targets.ddp_cls.__dict__[attr]
-                _state.wrapped.append((targets.ddp_cls, attr, wrapper, wrapper.__wrapped__))
+            _wrap(targets.ddp_cls, ("_pre_forward", "_post_forward"))
         except Exception as exc:
             _unwrap_all()
-            _state.targets = None
             _warn_missing(f"could not wrap DistributedDataParallel: {exc}")
             return False
+        _state.targets = targets
+    if sys.modules.get(_targets.FSDP_STATE_MODULE) is not None:
+        _wrap_fsdp()
+    elif not _state.fsdp_hook_registered:
+        _state.fsdp_hook_registered = True
+        wrapt.register_post_import_hook(lambda _m: _wrap_fsdp(), _targets.FSDP_STATE_MODULE)
     return True
+
+
+def _wrap(owner: Any, attrs: tuple[str, ...]) -> None:
+    for attr in attrs:
+        wrapt.wrap_function_wrapper(owner, attr, _around_forward_piece)
+        wrapper = owner.__dict__[attr]
+        _state.wrapped.append((owner, attr, wrapper, wrapper.__wrapped__))
+
+
+def _wrap_fsdp() -> None:
+    """FSDP2 (``fully_shard``): its forward pre/post hooks (unshard: all-gather; reshard;
+    the pre-backward and post-backward registrations) like DDP's forward pieces. Its hooks are
+    bound methods taken when ``fully_shard`` is called, so this must run before: at install when
+    the module is loaded, else when it is imported. Never raises."""
+    from . import _targets
+
+    with _state.lock:
+        if _state.targets is None or _state.fsdp_wrapped:
+            return
+        try:
+            state_cls = _targets.resolve_fsdp()
+            _wrap(state_cls, ("_pre_forward", "_post_forward"))
+        except _targets.MissingTargetError as exc:
+            _warn_missing(str(exc), what="FSDP2 (fully_shard)")
+            return
+        except Exception as exc:  # never break the host
+            _warn_missing(f"unexpected {type(exc).__name__}: {exc}", what="FSDP2 (fully_shard)")
+            return
+        _state.fsdp_wrapped = True
 
 
 def remove() -> None:
@@ -108,6 +142,7 @@ def remove() -> None:
     with _state.lock:
         _unwrap_all()
         _state.targets = None
+        _state.fsdp_wrapped = False
         _state.modes = weakref.WeakSet()
 
 
@@ -119,26 +154,26 @@ def _unwrap_all() -> None:
         # else: somebody wrapped over us; our wrapper stays, inert (targets is None)
 
 
-def _warn_missing(reason: str) -> None:
-    if _state.warned:
+def _warn_missing(reason: str, what: str = "DistributedDataParallel") -> None:
+    if what in _state.warned:
         return
-    _state.warned = True
+    _state.warned.add(what)
     from ._patch import warn_once
 
     warn_once(
-        "ddp",
-        f"fakegrad_patch: DistributedDataParallel is left to upstream on this torch build "
-        f"({reason}): a DDP backward inside a fake mode does not give real, allreduced "
-        "gradients.",
+        f"ddp:{what}",
+        f"fakegrad_patch: {what} is left to upstream on this torch build ({reason}): its "
+        "backward inside a fake mode does not give real, reduced gradients.",
     )
     if trace.enabled(trace.WARNING):
-        trace.emit("ddp_skipped", trace.WARNING, reason=reason)
+        trace.emit("ddp_skipped", trace.WARNING, what=what, reason=reason)
 
 
 def _around_forward_piece(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``DDP._pre_forward`` / ``_post_forward``: with the fake mode popped when it propagates."""
+    """``DDP._pre_forward`` / ``_post_forward``, FSDP2's ``FSDPState._pre_forward`` /
+    ``_post_forward``: with the fake mode popped when it propagates."""
     targets = _state.targets
     if targets is None:
         return wrapped(*args, **kwargs)
@@ -169,4 +204,8 @@ def backward_scope() -> Any:
 
 def status() -> dict[str, Any]:
     """For ``doctor`` and tests."""
-    return {"installed": bool(_state.wrapped), "modes_seen": len(_state.modes)}
+    return {
+        "installed": _state.targets is not None,
+        "fsdp2": _state.fsdp_wrapped,
+        "modes_seen": len(_state.modes),
+    }

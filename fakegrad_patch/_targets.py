@@ -495,12 +495,37 @@ DISPATCH_MODE_KEY_FAKE = Target(
     ("2.13.0+cpu", "2.14.1+cu130"),
 )
 
+#: The module of FSDP2's per-module state (``fully_shard``), imported lazily by torch.
+FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+#: WRAPPED. FSDP2's forward pre-hook (registered by ``fully_shard`` as a bound method): root
+#: lazy init, the unshard (``fsdp::all_gather_copy_in`` and the all-gather into the unsharded
+#: parameters), prefetch. Under a fake mode the copy-in is dispatched to it and rejected by its
+#: schema check. Run with the fake mode popped. Signature read: ``(self, module, args, kwargs)``.
+FSDP_PRE_FORWARD = Target(
+    FSDP_STATE_MODULE,
+    "FSDPState._pre_forward",
+    "wrapped: FSDP2's unshard (all-gather) runs with the fake mode popped",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+
+#: WRAPPED. FSDP2's forward post-hook: reshard, the pre-backward hook registration on the
+#: outputs. Signature read: ``(self, module, input, output)``.
+FSDP_POST_FORWARD = Target(
+    FSDP_STATE_MODULE,
+    "FSDPState._post_forward",
+    "wrapped: FSDP2's reshard and pre-backward registration with the fake mode popped",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+
 DDP_TARGETS: tuple[Target, ...] = (
     DDP_PRE_FORWARD,
     DDP_POST_FORWARD,
     UNSET_FAKE_TEMPORARILY,
     GET_DISPATCH_MODE,
     DISPATCH_MODE_KEY_FAKE,
+    FSDP_PRE_FORWARD,
+    FSDP_POST_FORWARD,
 )
 
 
@@ -538,3 +563,17 @@ def resolve_ddp() -> ResolvedDDP | None:
         unset_fake=resolve(UNSET_FAKE_TEMPORARILY),
         current_fake_mode=lambda: get_mode(fake_key),
     )
+
+
+def resolve_fsdp() -> type:
+    """FSDP2's ``FSDPState`` class, its two hooks checked; :class:`MissingTargetError` else."""
+    pre, post = resolve(FSDP_PRE_FORWARD), resolve(FSDP_POST_FORWARD)
+    for target, func, expected in (
+        (FSDP_PRE_FORWARD, pre, ("self", "module", "args", "kwargs")),
+        (FSDP_POST_FORWARD, post, ("self", "module", "input", "output")),
+    ):
+        params = tuple(inspect.signature(func).parameters)
+        if params != expected:
+            raise MissingTargetError(target, f"signature changed: expected {expected}, {params}")
+    cls: type = importlib.import_module(FSDP_STATE_MODULE).FSDPState
+    return cls

@@ -139,6 +139,8 @@ def differs(ref, local):
 def run(cfg):
     if cfg == "join":
         return run_join()
+    if cfg == "fsdp2":
+        return run_fsdp2()
     model, ref, local = wrap(cfg, make(cfg)), wrap(cfg, make(cfg)), make(cfg)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
     one_mode = FakeTensorMode(allow_non_fake_inputs=True) if cfg == "one_mode" else None
@@ -175,6 +177,55 @@ def run(cfg):
         with torch.no_grad():
             for l, r in zip(local.parameters(), ref.parameters()):
                 l.copy_(r)
+    return {"steps": steps, "reduced": reduced}
+
+def run_fsdp2():
+    # FSDP2: the same checks on the local shards of the DTensor gradients and parameters
+    from torch.distributed.fsdp import fully_shard  # imported after the patch: lazy wrapping
+
+    def sharded():
+        m = make("fsdp2")
+        fully_shard(m[0])
+        fully_shard(m[2])
+        return fully_shard(m)
+
+    model, ref, local = sharded(), sharded(), make("fsdp2")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    steps, reduced = [], False
+    for step in range(STEPS):
+        x = data(step)
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                loss_of(model, x).backward()
+        except Exception as exc:
+            steps.append(f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            break
+        loss_of(ref, x).backward()
+        loss_of(local, x).backward()
+        kinds = set()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            g = None if p.grad is None else p.grad.to_local()
+            if isinstance(g, FakeTensor):
+                kinds.add("FakeTensor")
+            elif g is None:
+                kinds.add("None")
+            else:
+                same = torch.allclose(g, r.grad.to_local(), atol=1e-6)
+                same = same and torch.allclose(p.to_local(), r.to_local(), atol=1e-6)
+                kinds.add("== eager DDP" if same else "!= eager")
+        steps.append(", ".join(sorted(kinds)))
+        full = [r.grad.full_tensor() for r in ref.parameters()]  # a collective, on both ranks
+        reduced = reduced or any(not torch.allclose(f, l.grad) for f, l in
+                                 zip(full, local.parameters()))
+        if steps[-1] != "== eager DDP":
+            break
+        for o in opts:
+            o.step()
+        for m in (model, ref, local):
+            m.zero_grad()
+        with torch.no_grad():
+            for l, r in zip(local.parameters(), ref.parameters()):
+                l.copy_(r.full_tensor())
     return {"steps": steps, "reduced": reduced}
 
 def run_join():
@@ -288,6 +339,7 @@ CONFIGS = (
     "join",
     "after_default",
     "after_find_unused",
+    "fsdp2",
 )
 #: Synced steps each configuration reports (no_sync: two local steps, then one synced; join:
 #: rank 0 has two batches, rank 1 three).
