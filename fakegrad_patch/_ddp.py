@@ -30,6 +30,11 @@ default options, ``gradient_as_bucket_view``, ``static_graph``, ``find_unused_pa
 ``no_sync`` then a synced step, several iterations, BatchNorm with ``broadcast_buffers`` and a
 Python comm hook (tests/test_distributed.py).
 
+FSDP2 (``fully_shard``): its ``FSDPState._pre_forward`` / ``_post_forward`` hooks get the same
+treatment, wrapped when ``torch.distributed.fsdp._fully_shard._fsdp_state`` is imported (its hooks
+are bound methods taken by ``fully_shard``); the backward scope covers its post-backward
+reduce-scatter.
+
 Contract with the core (three call sites, all in fakegrad_patch/_patch.py):
 
 * ``install(resolved)``: when the patch is applied (``_Applied.__init__``, after
