@@ -233,6 +233,11 @@ class _Applied:
         wrapt.wrap_function_wrapper(autograd, "backward", self.arming.backward)
         self._backward_wrapper: Any = autograd.backward
 
+        from . import _ddp
+
+        self._ddp = _ddp
+        _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
+
     # -- first need: probes D1 and P1, zero-copy calibration ------------------------------------
 
     def ready(self) -> bool:
@@ -334,6 +339,7 @@ class _Applied:
         self._active = False
         self.values.active = False
         self.arming.active = False
+        self._ddp.remove()
         self._unwrap(self._cls, _ATTR, self._wrapper, self._original, self._had_own_attr)
         self._unwrap(self._autograd, "backward", self._backward_wrapper, None, True)
         try:

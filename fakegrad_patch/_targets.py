@@ -531,3 +531,145 @@ def report() -> list[tuple[Target, str | None]]:
         else:
             rows.append((target, None))
     return rows
+
+
+# ==============================================================================================
+# --- DDP: DistributedDataParallel inside a propagating fake mode (fakegrad_patch/_ddp.py) ------
+# ==============================================================================================
+# Resolved apart from the core's targets: a build where one is missing leaves DDP to upstream
+# (one warning), the rest of the patch applies. Checked on: torch 2.13.0+cpu, 2.14.1+cu130 (run
+# on CPU), Python 3.11.
+
+#: WRAPPED. DDP's per-forward preparation, run before the wrapped module's forward: lazy init,
+#: ``reducer.prepare_for_forward()``, the join notification (an allreduce), the one-time bucket
+#: rebuild (``reducer._rebuild_buckets()``: allocates the buckets), the pre-forward buffer
+#: broadcast, the join-config sync check. Under a fake mode all of them dispatch to it (fake
+#: buckets, fake collectives): we run it with the fake mode popped. Signature read:
+#: ``(self, *inputs, **kwargs) -> (inputs, kwargs)`` on the builds above.
+DDP_PRE_FORWARD = Target(
+    "torch.nn.parallel.distributed",
+    "DistributedDataParallel._pre_forward",
+    "wrapped: DDP's bucket rebuild, buffer broadcast and join hook run with the fake mode popped",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+
+#: WRAPPED. DDP's per-forward wrap-up, run after the module's forward: the post-forward buffer
+#: broadcast (comm hook location), ``reducer.prepare_for_backward(outputs)``, DDPSink, the delayed
+#: allreduce grad buffer. Run with the fake mode popped like ``_pre_forward``. Signature read:
+#: ``(self, output) -> output``.
+DDP_POST_FORWARD = Target(
+    "torch.nn.parallel.distributed",
+    "DistributedDataParallel._post_forward",
+    "wrapped: DDP's post-forward buffer sync and reducer preparation with the fake mode popped",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+
+#: CALLED. Pops the active FakeTensorMode (only it: other dispatch modes stay) for a block and
+#: pushes it back after: around DDP's forward pieces, and around the engine call of a backward
+#: started inside a mode in which a DDP forward ran (the graph task captures the thread-local
+#: state when it is created, so the Reducer's hooks and queued callbacks run without the mode).
+UNSET_FAKE_TEMPORARILY = Target(
+    FAKE_TENSOR_MODULE,
+    "unset_fake_temporarily",
+    "DDP: run the Reducer and DDP's forward pieces with the fake mode popped",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+
+#: CALLED. The active infra mode of a kind (``torch._C._get_dispatch_mode(FAKE)``): which fake
+#: mode, if any, a DDP forward or a backward runs in. ``FakeTensorMode.propagate_real_tensors``
+#: (READ, an attribute set at construction) says whether the patch can make its gradients real.
+GET_DISPATCH_MODE = Target(
+    "torch._C",
+    "_get_dispatch_mode",
+    "DDP: the fake mode a DDP forward or a backward runs in",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+DISPATCH_MODE_KEY_FAKE = Target(
+    "torch._C",
+    "_TorchDispatchModeKey.FAKE",
+    "DDP: the key of the fake mode for GET_DISPATCH_MODE",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+
+#: The module of FSDP2's per-module state (``fully_shard``), imported lazily by torch.
+FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+#: WRAPPED. FSDP2's forward pre-hook (registered by ``fully_shard`` as a bound method): root
+#: lazy init, the unshard (``fsdp::all_gather_copy_in`` and the all-gather into the unsharded
+#: parameters), prefetch. Under a fake mode the copy-in is dispatched to it and rejected by its
+#: schema check. Run with the fake mode popped. Signature read: ``(self, module, args, kwargs)``.
+FSDP_PRE_FORWARD = Target(
+    FSDP_STATE_MODULE,
+    "FSDPState._pre_forward",
+    "wrapped: FSDP2's unshard (all-gather) runs with the fake mode popped",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+
+#: WRAPPED. FSDP2's forward post-hook: reshard, the pre-backward hook registration on the
+#: outputs. Signature read: ``(self, module, input, output)``.
+FSDP_POST_FORWARD = Target(
+    FSDP_STATE_MODULE,
+    "FSDPState._post_forward",
+    "wrapped: FSDP2's reshard and pre-backward registration with the fake mode popped",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+
+DDP_TARGETS: tuple[Target, ...] = (
+    DDP_PRE_FORWARD,
+    DDP_POST_FORWARD,
+    UNSET_FAKE_TEMPORARILY,
+    GET_DISPATCH_MODE,
+    DISPATCH_MODE_KEY_FAKE,
+    FSDP_PRE_FORWARD,
+    FSDP_POST_FORWARD,
+)
+
+
+@dataclass(frozen=True)
+class ResolvedDDP:
+    """The DDP touch points, resolved."""
+
+    ddp_cls: type
+    unset_fake: Callable[[], Any]
+    current_fake_mode: Callable[[], Any]
+
+
+def resolve_ddp() -> ResolvedDDP | None:
+    """Resolve the DDP targets; None when this build has no ``torch.distributed`` (nothing to
+    cover); :class:`MissingTargetError` for the first one missing otherwise."""
+    import torch.distributed
+
+    if not torch.distributed.is_available():
+        return None
+    pre, post = resolve(DDP_PRE_FORWARD), resolve(DDP_POST_FORWARD)
+    for target, func, expected in (
+        (DDP_PRE_FORWARD, pre, ("self", "inputs", "kwargs")),
+        (DDP_POST_FORWARD, post, ("self", "output")),
+    ):
+        try:
+            params = tuple(inspect.signature(func).parameters)
+        except (TypeError, ValueError) as exc:  # pragma: no cover - builtins only
+            raise MissingTargetError(target, f"signature unreadable ({exc})") from None
+        if params != expected:
+            raise MissingTargetError(target, f"signature changed: expected {expected}, {params}")
+    get_mode = resolve(GET_DISPATCH_MODE)
+    fake_key = resolve(DISPATCH_MODE_KEY_FAKE)
+    return ResolvedDDP(
+        ddp_cls=importlib.import_module(DDP_PRE_FORWARD.module).DistributedDataParallel,
+        unset_fake=resolve(UNSET_FAKE_TEMPORARILY),
+        current_fake_mode=lambda: get_mode(fake_key),
+    )
+
+
+def resolve_fsdp() -> type:
+    """FSDP2's ``FSDPState`` class, its two hooks checked; :class:`MissingTargetError` else."""
+    pre, post = resolve(FSDP_PRE_FORWARD), resolve(FSDP_POST_FORWARD)
+    for target, func, expected in (
+        (FSDP_PRE_FORWARD, pre, ("self", "module", "args", "kwargs")),
+        (FSDP_POST_FORWARD, post, ("self", "module", "input", "output")),
+    ):
+        params = tuple(inspect.signature(func).parameters)
+        if params != expected:
+            raise MissingTargetError(target, f"signature changed: expected {expected}, {params}")
+    cls: type = importlib.import_module(FSDP_STATE_MODULE).FSDPState
+    return cls

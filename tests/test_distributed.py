@@ -1,10 +1,17 @@
-"""DDP (gloo, 2 processes on 127.0.0.1, CPU): the documented workaround, forward inside the fake
-mode and backward after leaving it, gives the gradients of eager DDP (docs/compatibility.md,
+"""DDP (gloo, 2 processes on 127.0.0.1, CPU) against eager DDP (docs/compatibility.md,
 "Distributed").
 
-Each test starts two fresh interpreters (bounded timeouts) that run the same program on
-different inputs per rank, next to an eager DDP replica of the same model; each rank prints
-what its parameters' ``.grad`` are after each synced step.
+* Forward and backward inside a propagating fake mode (fakegrad_patch/_ddp.py): every DDP
+  configuration of the matrix gives, on each rank and at every step, the parameters' ``.grad`` of
+  an eager DDP replica fed the same data. Losses are rank-dependent (different data, loss scaled
+  by ``rank + 1``), and each rank also checks that the reduced gradient differs from its own
+  un-reduced one, so a gradient that was never allreduced cannot pass.
+* The older workaround, forward inside the mode and backward after leaving it.
+* Upstream (patch uninstalled) on the same programs.
+
+One pair of fresh interpreters runs the whole matrix (a module-scoped fixture), so the file costs
+a few process pairs, not one per configuration. Every pair runs under a timeout on a free port;
+the workers tear down in an order that cannot abort (see ``TEARDOWN``).
 """
 
 from __future__ import annotations
@@ -19,13 +26,40 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+#: Set by tests/test_can_fail.py (see conftest.py): the workers then run with the patch
+#: uninstalled, and every test of the patched behaviour must fail.
+UNPATCHED = os.environ.get("FAKEGRAD_TEST_UNPATCHED") == "1"
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo"),
 ]
 
-WORKER = r"""
-import datetime, json, os, sys
+#: How every worker ends. A rank that reaches interpreter exit with a live ProcessGroupGloo (held
+#: by the Reducer of a DDP module still referenced from module globals: destroy_process_group()
+#: only drops the registry's reference) destroys it during finalization, where gloo's threads and
+#: the interpreter's teardown race: ``terminate called without an active exception`` (SIGABRT)
+#: under load. So: a barrier (no rank leaves while its peer still communicates), every DDP module
+#: and optimizer dropped and collected while the interpreter is whole, the group destroyed (its
+#: threads joined), output flushed, and ``os._exit`` (no finalization left to race).
+TEARDOWN = r"""
+def _teardown(result):
+    import gc, sys
+    print(json.dumps(result))
+    dist.barrier()
+    held = (torch.nn.Module, torch.optim.Optimizer, dict)
+    for name in [n for n, v in globals().items() if isinstance(v, held) and n[:2] != "__"]:
+        del globals()[name]
+    gc.collect()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+"""
+
+PRELUDE = (
+    r"""
+import contextlib, datetime, json, os, sys
 import torch, torch.distributed as dist
 import torch._functorch.config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -37,55 +71,215 @@ if os.environ["PATCHED"] != "1":
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
 functorch_config.fake_tensor_propagate_real_tensors = True
-unused = os.environ["FIND_UNUSED"] == "1"
+"""
+    + TEARDOWN
+)
 
-def make():
+#: The configuration matrix: forward and backward both inside a fresh propagating mode each step
+#: (``one_mode``: one mode for every step), an SGD step after each synced step, ``zero_grad``
+#: alternating between set_to_none True and False.
+MATRIX_WORKER = (
+    PRELUDE
+    + r"""
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+STEPS = 3
+
+def make(cfg):
+    cfg = cfg.removeprefix("after_")
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    layers = [torch.nn.Linear(8, 16)]
+    if cfg == "batchnorm":
+        layers.append(torch.nn.BatchNorm1d(16))
+    layers += [torch.nn.Tanh(), torch.nn.Linear(16, 4)]
+    m = torch.nn.Sequential(*layers)
+    if cfg == "find_unused":
+        m.unused = torch.nn.Linear(4, 4)  # never called: DDP marks it ready itself
+    return m
 
-model = DDP(make(), find_unused_parameters=unused)
-ref = DDP(make(), find_unused_parameters=unused)  # eager DDP: the expected gradients
-steps = []
-for step in range(int(os.environ["STEPS"])):
-    torch.manual_seed(100 + 10 * step + rank)  # different data on each rank
-    x = torch.randn(4, 8)
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            loss = model(x).sum()
-        loss.backward()  # after leaving the mode: the workaround
-    except Exception as exc:
-        steps.append("raises " + type(exc).__name__)
-        break
-    ref(x).sum().backward()
+def wrap(cfg, m):
+    cfg = cfg.removeprefix("after_")
+    kw = {
+        "bucket_view": {"gradient_as_bucket_view": True},
+        "static_graph": {"static_graph": True},
+        "find_unused": {"find_unused_parameters": True},
+        "many_buckets": {"bucket_cap_mb": 0.0001},  # one bucket per parameter
+        "batchnorm": {"broadcast_buffers": True},
+    }.get(cfg, {})
+    d = DDP(m, **kw)
+    if cfg == "comm_hook":
+        d.register_comm_hook(None, default_hooks.allreduce_hook)  # a Python comm hook
+    return d
+
+def verdict(model, ref):
     kinds = set()
     for p, r in zip(model.parameters(), ref.parameters()):
         if isinstance(p.grad, FakeTensor):
             kinds.add("FakeTensor")
+        elif p.grad is None and r.grad is None:
+            continue
         elif p.grad is None:
             kinds.add("None")
+        elif not (torch.allclose(p.grad, r.grad, atol=1e-6) and torch.allclose(p, r, atol=1e-6)):
+            kinds.add("!= eager")
         else:
-            kinds.add("== eager DDP" if torch.allclose(p.grad, r.grad, atol=1e-6) else "!= eager")
-    steps.append(", ".join(sorted(kinds)))
-print(json.dumps(steps))
-dist.destroy_process_group()
+            kinds.add("== eager DDP")
+    return ", ".join(sorted(kinds))
+
+def data(step):
+    torch.manual_seed(100 + 10 * step + rank)  # different data on each rank
+    return torch.randn(6, 8)
+
+def loss_of(m, x):
+    return m(x).square().sum() * float(rank + 1)  # rank-dependent loss
+
+def differs(ref, local):
+    pairs = zip(ref.parameters(), local.parameters())
+    return any(not torch.allclose(r.grad, l.grad) for r, l in pairs if r.grad is not None)
+
+def run(cfg):
+    if cfg == "join":
+        return run_join()
+    if cfg == "fsdp2":
+        return run_fsdp2()
+    model, ref, local = wrap(cfg, make(cfg)), wrap(cfg, make(cfg)), make(cfg)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    one_mode = FakeTensorMode(allow_non_fake_inputs=True) if cfg == "one_mode" else None
+    after = cfg.startswith("after_")  # the older workaround: backward after leaving the mode
+    steps, reduced = [], False
+    for step in range(STEPS):
+        x = data(step)
+        skip_sync = cfg == "no_sync" and step < STEPS - 1  # two local steps, then a synced one
+        try:
+            with (model.no_sync() if skip_sync else contextlib.nullcontext()):
+                with one_mode or FakeTensorMode(allow_non_fake_inputs=True):
+                    loss = loss_of(model, x)
+                    if not after:
+                        loss.backward()
+                if after:
+                    loss.backward()
+                del loss
+        except Exception as exc:
+            steps.append(f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            break
+        with (ref.no_sync() if skip_sync else contextlib.nullcontext()):
+            loss_of(ref, x).backward()
+        loss_of(local, x).backward()
+        if skip_sync:
+            continue
+        steps.append(verdict(model, ref))
+        reduced = reduced or differs(ref, local)
+        if steps[-1] != "== eager DDP":
+            break  # upstream: no optimizer step on fake gradients
+        for o in opts:
+            o.step()
+        for m in (model, ref, local):
+            m.zero_grad(set_to_none=step % 2 == 0)
+        with torch.no_grad():
+            for l, r in zip(local.parameters(), ref.parameters()):
+                l.copy_(r)
+    return {"steps": steps, "reduced": reduced}
+
+def run_fsdp2():
+    # FSDP2: the same checks on the local shards of the DTensor gradients and parameters
+    from torch.distributed.fsdp import fully_shard  # imported after the patch: lazy wrapping
+
+    def sharded():
+        m = make("fsdp2")
+        fully_shard(m[0])
+        fully_shard(m[2])
+        return fully_shard(m)
+
+    model, ref, local = sharded(), sharded(), make("fsdp2")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    steps, reduced = [], False
+    for step in range(STEPS):
+        x = data(step)
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                loss_of(model, x).backward()
+        except Exception as exc:
+            steps.append(f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            break
+        loss_of(ref, x).backward()
+        loss_of(local, x).backward()
+        kinds = set()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            g = None if p.grad is None else p.grad.to_local()
+            if isinstance(g, FakeTensor):
+                kinds.add("FakeTensor")
+            elif g is None:
+                kinds.add("None")
+            else:
+                same = torch.allclose(g, r.grad.to_local(), atol=1e-6)
+                same = same and torch.allclose(p.to_local(), r.to_local(), atol=1e-6)
+                kinds.add("== eager DDP" if same else "!= eager")
+        steps.append(", ".join(sorted(kinds)))
+        full = [r.grad.full_tensor() for r in ref.parameters()]  # a collective, on both ranks
+        reduced = reduced or any(not torch.allclose(f, l.grad) for f, l in
+                                 zip(full, local.parameters()))
+        if steps[-1] != "== eager DDP":
+            break
+        for o in opts:
+            o.step()
+        for m in (model, ref, local):
+            m.zero_grad()
+        with torch.no_grad():
+            for l, r in zip(local.parameters(), ref.parameters()):
+                l.copy_(r.full_tensor())
+    return {"steps": steps, "reduced": reduced}
+
+def run_join():
+    # Uneven inputs: rank 0 has 2 batches, rank 1 has 3; DDP's join context shadows the
+    # collectives of the rank that ran out. Gradients recorded per step, fake run then eager run.
+    def train(m, fake):
+        grads = []
+        with m.join():
+            for step in range(2 + rank):
+                x = data(step)
+                mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+                with mode or contextlib.nullcontext():
+                    loss_of(m, x).backward()
+                grads.append([None if p.grad is None else p.grad.clone() for p in m.parameters()])
+                m.zero_grad()
+        return grads
+    model, ref = DDP(make("join")), DDP(make("join"))
+    try:
+        got = train(model, True)
+    except Exception as exc:
+        return {"steps": [f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"]}
+    want = train(ref, False)
+    steps = []
+    for g, w in zip(got, want):
+        if any(isinstance(t, FakeTensor) for t in g):
+            steps.append("FakeTensor")
+        elif any(t is None for t in g):
+            steps.append("None")
+        else:
+            same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, w))
+            steps.append("== eager DDP" if same else "!= eager")
+    # rank 1's last step was reduced with a joined rank 0: its gradient is halved, not local
+    return {"steps": steps, "reduced": True}
+
+out = {}
+for cfg in os.environ["CONFIGS"].split(","):
+    try:
+        out[cfg] = run(cfg)
+    except Exception as exc:
+        out[cfg] = {"steps": [f"setup raises {type(exc).__name__}: {str(exc)[:200]}"]}
+    dist.barrier()
+_teardown(out)
 """
+)
 
-
-#: P1 under DDP: real DDP training steps of a model that had one fake session (forward in the
-#: mode, backward after it) vs a model never touched by fakes, same process, interleaved, medians
-#: of 20 steps per repetition; CONTROL=1 skips the fake session (the A/A noise floor).
-P1_WORKER = r"""
-import datetime, gc, json, os, statistics, time
-import torch, torch.distributed as dist
-import torch._functorch.config as functorch_config
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.parallel import DistributedDataParallel as DDP
-import fakegrad_patch
-
+#: P1 under DDP: real DDP training steps of a model that had one fake session (forward and
+#: backward in the mode, or SESSION=after: backward after it) vs a model never touched by fakes,
+#: same process, interleaved, medians of 20 steps per repetition; CONTROL=1 skips the fake
+#: session (the A/A noise floor).
+P1_WORKER = (
+    PRELUDE
+    + r"""
+import gc, statistics, time
 torch.set_num_threads(1)
-rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
-functorch_config.fake_tensor_propagate_real_tensors = True
 
 def make():
     torch.manual_seed(0)
@@ -100,7 +294,10 @@ x = torch.randn(16, 32)
 if os.environ.get("CONTROL") != "1":
     with FakeTensorMode(allow_non_fake_inputs=True):
         loss = touched(x).sum()
-    loss.backward()
+        if os.environ.get("SESSION") != "after":
+            loss.backward()
+    if os.environ.get("SESSION") == "after":
+        loss.backward()
     del loss
 gc.collect()
 armed = fakegrad_patch.status()["armed_leaves"]
@@ -123,10 +320,32 @@ for rep in range(15):
         for m in order:
             (a if m is touched else b).append(step(m))
     ratios.append(statistics.median(a) / statistics.median(b))
-print(json.dumps({"rank": rank, "armed_after_fake_session": armed,
-                  "ratio_median": round(statistics.median(ratios), 3)}))
-dist.destroy_process_group()
+_teardown({"rank": rank, "armed_after_fake_session": armed,
+           "ratio_median": round(statistics.median(ratios), 3)})
 """
+)
+
+#: Every configuration of the matrix (docs/compatibility.md, "Distributed", the table).
+CONFIGS = (
+    "default",
+    "bucket_view",
+    "static_graph",
+    "find_unused",
+    "many_buckets",
+    "no_sync",
+    "batchnorm",
+    "comm_hook",
+    "one_mode",
+    "join",
+    "after_default",
+    "after_find_unused",
+    "fsdp2",
+)
+#: Synced steps each configuration reports (no_sync: two local steps, then one synced; join:
+#: rank 0 has two batches, rank 1 three).
+SYNCED = {"no_sync": [1, 1], "join": [2, 3]}
+
+TIMEOUT_S = 240
 
 
 def _free_port() -> int:
@@ -135,26 +354,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_ddp(*, patched: bool, find_unused: bool, steps: int) -> list[list[str]]:
-    """Both ranks' per-step verdicts."""
-    return _run_two_ranks(
-        WORKER,
-        PATCHED="1" if patched else "0",
-        FIND_UNUSED="1" if find_unused else "0",
-        STEPS=str(steps),
-    )
-
-
 def _run_two_ranks(code: str, **extra: str) -> list[Any]:
-    """Run ``code`` as ranks 0 and 1 of a gloo group on 127.0.0.1; each rank's last JSON line."""
+    """Run ``code`` as ranks 0 and 1 of a gloo group on 127.0.0.1; each rank's JSON line.
+
+    A fresh free port per pair: between ``_free_port`` closing its socket and rank 0's store
+    binding it, another process may take it; rank 0 then fails to bind and the pair is retried
+    once on a new port (the only retry: any other failure is reported)."""
+    for attempt in (0, 1):
+        results, errors = _attempt(code, extra)
+        if results is not None:
+            return results
+        if attempt == 0 and any("EADDRINUSE" in e or "address already in use" in e for e in errors):
+            continue
+        break
+    raise AssertionError("\n---\n".join(errors))
+
+
+def _attempt(code: str, extra: dict[str, str]) -> tuple[list[Any] | None, list[str]]:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")},
         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),  # the same fakegrad_patch
         "PYTHONWARNINGS": "ignore",
+        "PYTHONFAULTHANDLER": "1",  # a native crash prints the Python stacks of every thread
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": "2",
         "GLOO_SOCKET_IFNAME": "lo",
+        "PATCHED": "0" if UNPATCHED else "1",
         **extra,
     }
     procs = [
@@ -167,38 +393,58 @@ def _run_two_ranks(code: str, **extra: str) -> list[Any]:
         )
         for rank in (0, 1)
     ]
-    results = []
+    results: list[Any] = []
+    errors: list[str] = []
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err[-3000:]
+        for rank, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                errors.append(f"rank {rank}: timed out after {TIMEOUT_S} s")
+                continue
+            if proc.returncode != 0:
+                errors.append(f"rank {rank}: exit status {proc.returncode}\n{err[-3000:]}")
+                continue
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
-    return results
+            proc.wait()
+    return (results if not errors else None), errors
 
 
-def test_backward_after_the_mode_gives_eager_ddp_grads_on_every_step_with_find_unused() -> None:
-    assert _run_ddp(patched=True, find_unused=True, steps=3) == [["== eager DDP"] * 3] * 2
+@pytest.fixture(scope="module")
+def matrix() -> list[dict[str, Any]]:
+    """Both ranks' results for every configuration, one process pair for the whole matrix."""
+    return _run_two_ranks(MATRIX_WORKER, CONFIGS=",".join(CONFIGS))
 
 
-def test_backward_after_the_mode_gives_eager_ddp_grads_on_the_first_synced_step() -> None:
-    """Without find_unused_parameters only the first step is covered (docs: the limit)."""
-    for rank_steps in _run_ddp(patched=True, find_unused=False, steps=1):
-        assert rank_steps == ["== eager DDP"]
+@pytest.mark.parametrize("config", CONFIGS)
+def test_fake_forward_and_backward_inside_ddp_give_eager_ddp_grads(
+    matrix: list[dict[str, Any]], config: str
+) -> None:
+    for rank, result in enumerate(matrix):
+        want = SYNCED.get(config, [3, 3])[rank]
+        assert result[config]["steps"] == ["== eager DDP"] * want, (rank, result[config])
+        assert result[config]["reduced"], "the reference gradient was not reduced"
 
 
-def test_upstream_ddp_leaves_fake_grads_in_the_same_program() -> None:
-    """The same program without the patch: what the workaround needs the patch for."""
-    assert _run_ddp(patched=False, find_unused=True, steps=2) == [["FakeTensor"] * 2] * 2
+def test_upstream_ddp_fails_inside_the_mode_and_leaves_fake_grads_after_it() -> None:
+    """The same programs without the patch: inside the mode the allreduce is dispatched to the
+    fake mode and rejected; backward after the mode leaves FakeTensors in ``.grad``."""
+    for result in _run_two_ranks(MATRIX_WORKER, CONFIGS="default,after_find_unused", PATCHED="0"):
+        (inside,) = result["default"]["steps"]
+        assert inside.startswith("raises RuntimeError: c10d::allreduce_"), inside
+        assert result["after_find_unused"]["steps"] == ["FakeTensor"]
 
 
 if __name__ == "__main__":
     # P1 under DDP (docs/compatibility.md "Distributed"): python tests/test_distributed.py p1
     assert sys.argv[1:] == ["p1"], "usage: python tests/test_distributed.py p1"
-    for control in ("1", "0", "1", "0"):
-        for rank in _run_two_ranks(P1_WORKER, CONTROL=control):
-            print(f"control={control}", json.dumps(rank))
+    for session in ("inside", "after"):
+        for control in ("1", "0", "1", "0"):
+            for rank in _run_two_ranks(P1_WORKER, CONTROL=control, SESSION=session):
+                print(f"session={session} control={control}", json.dumps(rank))

@@ -1,0 +1,216 @@
+"""DistributedDataParallel inside a propagating fake mode: DDP's own machinery runs for real.
+
+Upstream, a DDP forward and backward inside ``FakeTensorMode`` cannot give real, allreduced
+gradients: DDP's C++ Reducer runs its autograd hooks and ``finalize_backward`` inside the
+backward with the fake mode still in the graph task's thread-local state, so the bucket copies and
+the collective (``c10d::allreduce_``) are dispatched to the fake mode (which copies the real
+bucket into a propagated clone and then rejects the collective's schema); and ``_pre_forward``'s
+bucket rebuild, buffer broadcast and join notification allocate fake buckets under the mode
+(FINDINGS "DDP inside the mode").
+
+What this module does, only for fake modes that propagate real tensors and in which a DDP forward
+ran (nothing else is touched: a program without DDP never reaches the code below, and a mode that
+does not propagate keeps upstream behaviour):
+
+* ``DistributedDataParallel._pre_forward`` and ``_post_forward`` (WRAPPED) run with the fake mode
+  popped (``unset_fake_temporarily``): the bucket rebuild, ``prepare_for_forward`` /
+  ``prepare_for_backward``, the buffer broadcast, the join notifications and DDPSink see real
+  tensors, or fakes that dispatch to their own mode. The mode is remembered (a weak set).
+* A backward started inside such a mode runs with the fake mode popped for the whole engine run
+  (:func:`backward_scope`): the graph task captures its thread-local state when it is created,
+  so the Reducer's hooks, its ``finalize_backward`` and static graph's delayed allreduce (queued
+  engine callbacks) run with no fake mode: the collective runs on the real buckets. The fake part
+  of the backward still runs in the fake mode: every op with a FakeTensor argument re-enters its
+  mode (``FakeTensor.__torch_dispatch__``). The patch's AccumulateGrad pre-hook makes each
+  parameter's ``.grad`` real before the Reducer's hook (an AccumulateGrad post-hook) copies it into
+  its bucket.
+
+Measured (2 gloo processes, torch 2.13.0 and 2.14.1): equal to eager DDP on both ranks with the
+default options, ``gradient_as_bucket_view``, ``static_graph``, ``find_unused_parameters``,
+``no_sync`` then a synced step, several iterations, BatchNorm with ``broadcast_buffers`` and a
+Python comm hook (tests/test_distributed.py).
+
+FSDP2 (``fully_shard``): its ``FSDPState._pre_forward`` / ``_post_forward`` hooks get the same
+treatment, wrapped when ``torch.distributed.fsdp._fully_shard._fsdp_state`` is imported (its hooks
+are bound methods taken by ``fully_shard``); the backward scope covers its post-backward
+reduce-scatter.
+
+Contract with the core (three call sites, all in fakegrad_patch/_patch.py):
+
+* ``install(resolved)``: when the patch is applied (``_Applied.__init__``, after
+  ``_targets.resolve_all()``). Never raises; returns True when DDP is covered. A build where a DDP
+  target is missing (torch.distributed available) leaves DDP to upstream with one warning.
+* ``remove()``: from ``_Applied.remove()``. Unwraps what ``install`` wrapped. Never raises.
+* ``backward_scope()``: in the ``torch.autograd.backward`` wrapper, around the call of the
+  wrapped (original) function, for *every* backward: ``with _ddp.backward_scope(): return
+  wrapped(*args, **kwargs)``. It must enclose the engine call itself (the graph task captures the
+  thread-local state when it is created) and be entered after the core has armed its pre-hooks
+  (arming needs the fake mode; the pre-hooks themselves do not). Cost when no DDP forward ever ran
+  in a propagating fake mode: one global read, a shared null context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import weakref
+from typing import Any
+
+import wrapt
+
+from . import trace
+
+_NULL = contextlib.nullcontext()
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        #: fake modes in which a DDP forward ran (weak: a finished mode is forgotten)
+        self.modes: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: wrapped (owner, attribute, wrapper, original) while installed
+        self.wrapped: list[tuple[Any, str, Any, Any]] = []
+        self.targets: Any = None  # the resolved DDP touch points while installed
+        self.warned: set[str] = set()
+        self.fsdp_wrapped = False
+        self.fsdp_hook_registered = False
+
+
+_state = _State()
+
+
+def install(resolved: Any = None) -> bool:
+    """Wrap DDP's forward pieces now and FSDP2's when its module is imported (idempotent).
+    False when DDP is left to upstream."""
+    from . import _targets
+
+    with _state.lock:
+        if _state.targets is not None:
+            return True
+        try:
+            targets = _targets.resolve_ddp()
+        except _targets.MissingTargetError as exc:
+            _warn_missing(str(exc))
+            return False
+        except Exception as exc:  # never break the host
+            _warn_missing(f"unexpected {type(exc).__name__}: {exc}")
+            return False
+        if targets is None:  # no torch.distributed on this build: nothing to cover
+            return False
+        try:
+            _wrap(targets.ddp_cls, ("_pre_forward", "_post_forward"))
+        except Exception as exc:
+            _unwrap_all()
+            _warn_missing(f"could not wrap DistributedDataParallel: {exc}")
+            return False
+        _state.targets = targets
+    if sys.modules.get(_targets.FSDP_STATE_MODULE) is not None:
+        _wrap_fsdp()
+    elif not _state.fsdp_hook_registered:
+        _state.fsdp_hook_registered = True
+        wrapt.register_post_import_hook(lambda _m: _wrap_fsdp(), _targets.FSDP_STATE_MODULE)
+    return True
+
+
+def _wrap(owner: Any, attrs: tuple[str, ...]) -> None:
+    for attr in attrs:
+        wrapt.wrap_function_wrapper(owner, attr, _around_forward_piece)
+        wrapper = owner.__dict__[attr]
+        _state.wrapped.append((owner, attr, wrapper, wrapper.__wrapped__))
+
+
+def _wrap_fsdp() -> None:
+    """FSDP2 (``fully_shard``): its forward pre/post hooks (unshard: all-gather; reshard;
+    the pre-backward and post-backward registrations) like DDP's forward pieces. Its hooks are
+    bound methods taken when ``fully_shard`` is called, so this must run before: at install when
+    the module is loaded, else when it is imported. Never raises."""
+    from . import _targets
+
+    with _state.lock:
+        if _state.targets is None or _state.fsdp_wrapped:
+            return
+        try:
+            state_cls = _targets.resolve_fsdp()
+            _wrap(state_cls, ("_pre_forward", "_post_forward"))
+        except _targets.MissingTargetError as exc:
+            _warn_missing(str(exc), what="FSDP2 (fully_shard)")
+            return
+        except Exception as exc:  # never break the host
+            _warn_missing(f"unexpected {type(exc).__name__}: {exc}", what="FSDP2 (fully_shard)")
+            return
+        _state.fsdp_wrapped = True
+
+
+def remove() -> None:
+    """Unwrap DDP (idempotent, never raises). Modes remembered so far are forgotten."""
+    with _state.lock:
+        _unwrap_all()
+        _state.targets = None
+        _state.fsdp_wrapped = False
+        _state.modes = weakref.WeakSet()
+
+
+def _unwrap_all() -> None:
+    while _state.wrapped:
+        owner, attr, wrapper, original = _state.wrapped.pop()
+        if owner.__dict__.get(attr) is wrapper:
+            setattr(owner, attr, original)
+        # else: somebody wrapped over us; our wrapper stays, inert (targets is None)
+
+
+def _warn_missing(reason: str, what: str = "DistributedDataParallel") -> None:
+    if what in _state.warned:
+        return
+    _state.warned.add(what)
+    from ._patch import warn_once
+
+    warn_once(
+        f"ddp:{what}",
+        f"fakegrad_patch: {what} is left to upstream on this torch build ({reason}): its "
+        "backward inside a fake mode does not give real, reduced gradients.",
+    )
+    if trace.enabled(trace.WARNING):
+        trace.emit("ddp_skipped", trace.WARNING, what=what, reason=reason)
+
+
+def _around_forward_piece(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``DDP._pre_forward`` / ``_post_forward``, FSDP2's ``FSDPState._pre_forward`` /
+    ``_post_forward``: with the fake mode popped when it propagates."""
+    targets = _state.targets
+    if targets is None:
+        return wrapped(*args, **kwargs)
+    mode = targets.current_fake_mode()
+    if mode is None or not getattr(mode, "propagate_real_tensors", False):
+        return wrapped(*args, **kwargs)  # no fake mode, or one the patch cannot make real
+    if mode not in _state.modes:
+        _state.modes.add(mode)
+        if trace.enabled(trace.INFO):
+            trace.emit("ddp_mode_seen", trace.INFO, ddp=type(instance).__name__)
+    with targets.unset_fake():
+        return wrapped(*args, **kwargs)
+
+
+def backward_scope() -> Any:
+    """A context manager for the engine call of one backward: the fake mode popped when it is
+    one in which a DDP forward ran, else a shared null context."""
+    if not _state.modes:
+        return _NULL
+    targets = _state.targets
+    if targets is None:
+        return _NULL
+    mode = targets.current_fake_mode()
+    if mode is None or mode not in _state.modes:
+        return _NULL
+    return targets.unset_fake()
+
+
+def status() -> dict[str, Any]:
+    """For ``doctor`` and tests."""
+    return {
+        "installed": _state.targets is not None,
+        "fsdp2": _state.fsdp_wrapped,
+        "modes_seen": len(_state.modes),
+    }
