@@ -98,7 +98,7 @@ class Arming:
         finally:
             self.disarm(token)
 
-    def _arm_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+    def _arm_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]] | None:
         tensors = args[0] if args else kwargs.get("tensors")
         grads = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
         is_fake = self._is_fake
@@ -168,9 +168,9 @@ class Arming:
 
     # -- hooks -----------------------------------------------------------------------------------
 
-    def arm(self, pairs: list[tuple[Any, Any]], keep: Any = None) -> list[Any]:
+    def arm(self, pairs: list[tuple[Any, Any]], keep: Any = None) -> list[list[Any]]:
         """Hook every node of ``pairs`` for one backward call; returns the token for disarm."""
-        token: list[Any] = []
+        token: list[list[Any]] = []
         new: list[Any] = []
         with _lock:
             for leaf, node in pairs:
@@ -192,9 +192,10 @@ class Arming:
         del keep
         return token
 
-    def disarm(self, token: list[Any]) -> None:
+    def disarm(self, token: list[list[Any]]) -> None:
         released: list[Any] = []
         with _lock:
+            entry: list[Any]
             for entry in token:
                 entry[2] -= 1
                 if entry[2] == 0:

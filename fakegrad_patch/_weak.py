@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 V = TypeVar("V")
 
 
-class _KeyedRef(weakref.ref):  # type: ignore[type-arg]
+class _KeyedRef(weakref.ref):
     """A weak reference that knows its table key (the death callback needs it)."""
 
     __slots__ = ("key",)
@@ -27,7 +27,7 @@ class _KeyedRef(weakref.ref):  # type: ignore[type-arg]
         return self
 
     def __init__(self, obj: Any, callback: Any, key: int) -> None:
-        super().__init__(obj, callback)
+        super().__init__(obj, callback)  # type: ignore[call-arg]
 
 
 class WeakIdTable(Generic[V]):

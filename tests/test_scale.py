@@ -26,7 +26,9 @@ N = 12_000
 class _Many(torch.nn.Module):
     def __init__(self, n: int) -> None:
         super().__init__()
-        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.full((2,), 0.5)) for _ in range(n))
+        self.ps = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.full((2,), 0.5)) for _ in range(n)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sum((p * x).sum() for p in self.ps)  # type: ignore[return-value]
