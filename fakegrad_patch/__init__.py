@@ -112,7 +112,7 @@ __all__ = [
     "verify",
 ]
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 def configure(*, on_missing: OnMissing | None = None) -> Settings:

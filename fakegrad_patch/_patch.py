@@ -31,6 +31,8 @@ class _State:
         #: (arming, post-accumulate hooks skipped, zero-copy baseline): measured at first need,
         #: once per process (a build's behaviour does not change between installations)
         self.prepared: tuple[bool, bool, Any] | None = None
+        #: fakegrad_patch's frames registered with TorchDynamo's skip list (once per process)
+        self.dynamo_skip = False
 
 
 _state = _State()
@@ -237,6 +239,9 @@ class _Applied:
 
         self._ddp = _ddp
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
+        if not _state.dynamo_skip:
+            _state.dynamo_skip = True
+            _targets.skip_in_dynamo(__package__)  # dynamo never compiles the patch's frames
 
     # -- first need: probes D1 and P1, zero-copy calibration ------------------------------------
 

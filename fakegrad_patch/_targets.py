@@ -227,6 +227,19 @@ DESCRIBED_TENSORS = Target(
     "optional: conversions made while the patch was not installed (D2 builds)",
 )
 
+#: CALLED, OPTIONAL. ``torch._dynamo.trace_rules.add(import_name)``: adds a package's directory to
+#: the directories whose frames TorchDynamo never compiles (as it does for torch's own files).
+#: Without it, a backward called inside a compiled function runs the patch's Python wrapper
+#: frames under dynamo's frame hook: dynamo compiles them as new frames (extra frames and graph
+#: breaks, and on 2.13 a broken resume function). Called for ``fakegrad_patch`` when
+#: ``torch._dynamo`` is imported (a wrapt post-import hook; the patch never imports it). Same
+#: name on 2.13.0, 2.14.1 and 2.15.0.
+DYNAMO_SKIP = Target(
+    "torch._dynamo.trace_rules",
+    "add",
+    "optional: dynamo never compiles the patch's own frames",
+)
+
 ALL_TARGETS: tuple[Target, ...] = (
     FROM_REAL_TENSOR,
     FAKE_TENSOR,
@@ -385,6 +398,25 @@ def _make_torch_is_tracing() -> Callable[[], bool]:
         )
 
     return torch_is_tracing
+
+
+def skip_in_dynamo(package: str) -> None:
+    """Make TorchDynamo skip ``package``'s frames, now if ``torch._dynamo`` is imported, else
+    when it is (never imports it). Never raises."""
+    import contextlib
+    import sys
+
+    import wrapt
+
+    def add(_module: Any = None) -> None:
+        # optional: where it fails, dynamo compiles our frames as user code
+        with contextlib.suppress(Exception):
+            resolve(DYNAMO_SKIP)(package)
+
+    if "torch._dynamo.trace_rules" in sys.modules:
+        add()
+    else:
+        wrapt.register_post_import_hook(add, "torch._dynamo.trace_rules")
 
 
 def _conversions_made(converter: Any) -> int | None:
