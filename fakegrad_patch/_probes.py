@@ -109,6 +109,10 @@ class Probes:
                     self._results[defect.key] = result
         return result
 
+    def cached(self, defect: Defect) -> bool | None:
+        """The answer if the probe has run, else None (never runs it)."""
+        return self._results.get(defect.key)
+
     def known(self) -> dict[str, bool]:
         """Answers of the probes that have run so far (nothing is run)."""
         return dict(self._results)

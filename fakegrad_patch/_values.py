@@ -96,7 +96,11 @@ class Values:
             mode = args[0] if args else kwargs["fake_mode"]
             if getattr(mode, "propagate_real_tensors", False):
                 t = args[1] if len(args) > 1 else kwargs["t"]
-                self._propagating(instance, mode, t, fake, op_input=len(args) == 2 and not kwargs)
+                if kwargs.get("source") is not None:
+                    self._tracer_owned(instance, mode, t, fake)
+                else:
+                    op_input = len(args) == 2 and not kwargs
+                    self._propagating(instance, mode, t, fake, op_input)
             else:
                 self._not_propagating(instance, mode, args, kwargs, fake)
         except Exception as exc:  # never break the host's fake computation
@@ -120,15 +124,35 @@ class Values:
             if t.grad_fn is not None and t.retains_grad:
                 self._applied.arming.arm_retained(t)
 
-    def _propagating(self, conv: Any, mode: Any, t: Any, fake: Any, op_input: bool) -> None:
-        if _contacts.get(conv) != _Generation.value:
-            self._contact(conv, mode, t)
+    def _tracer_owned(self, conv: Any, mode: Any, t: Any, fake: Any) -> None:
+        """A conversion that names a ``source`` is a tracer's own fakification (dynamo, export,
+        draft_export, which propagates real values): upstream's values and semantics, no probe,
+        no repair. It is recorded as seen, so it never makes the mode untrusted."""
+        real = self._real_of(fake)
+        if real is not None and not self._is_fake(t):
+            root = t._base if t._base is not None else t
+            fake_root = fake._base if fake._base is not None else fake
+            data = real.untyped_storage().data_ptr()
+            self._table(conv).set(root, (weakref.ref(fake_root), data, t._version))
+        self._note_made(conv)
+        fake_leaves = self._applied.fake_leaves
+        if fake_leaves.mirroring():
+            fake_leaves.on_convert(mode, t, fake)
+
+    def _note_made(self, conv: Any) -> None:
+        """Remember the converter's count of new fakes (only where D2 is known present: the
+        untrusted-mode check needs it; never runs the probe)."""
         if self._d2 is None:
-            self._d2 = self._probes.has(D2)
+            self._d2 = self._probes.cached(D2)
         if self._d2:
             made = self._r.conversions_made(conv)
             if made is not None:
                 _made.set(conv, made)
+
+    def _propagating(self, conv: Any, mode: Any, t: Any, fake: Any, op_input: bool) -> None:
+        if _contacts.get(conv) != _Generation.value:
+            self._contact(conv, mode, t)
+        self._note_made(conv)
         if self._is_fake(t):
             self._sync(conv, fake, t, foreign=True)
         elif t.requires_grad:
@@ -244,10 +268,12 @@ class Values:
         fake is gone (or is not the one the converter's memo holds now) may have been re-converted
         unseen too: not proven right, so not trusted."""
         _contacts.set(conv, _Generation.value)
-        if not self._probes.has(D2):
-            return
         described = self._r.described_tensors(conv)
         if not described:
+            return
+        if not any(type(src) is not torch.Tensor and not self._is_fake(src) for src in described):
+            return  # no Parameter (or other subclass) converted: D2 cannot matter, no probe
+        if not self._probes.has(D2):
             return
         table = _records.get(conv)
         made = self._r.conversions_made(conv)
