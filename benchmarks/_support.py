@@ -239,10 +239,13 @@ def record(
     ``rounds`` is scaled by ``--bench-scale`` (at least 1). ``goal`` is the ratio the issue
     asks for (variant/baseline), a text goal, or None when there is none. Warm-up: one round in
     block 0 (first touch: lazy imports, torch's dispatch caches), none after, since the model
-    and tensors are shared by every slot of the case (:func:`cached`).
+    and tensors are shared by every slot of the case (:func:`cached`). Under ``--bench-smoke``:
+    one round, no warm-up.
     """
     if warmup_rounds is None:
         warmup_rounds = 1 if slot.block == 0 else 0
+    if SMOKE:  # one round, no warm-up: the smoke run checks that the case runs, not its speed
+        rounds, warmup_rounds = 1, 0
     benchmark.group = f"{case} {device} {detail}"
     benchmark.extra_info.update(
         {
@@ -261,7 +264,7 @@ def record(
     benchmark.pedantic(
         synced(target, device),
         setup=setup,
-        rounds=max(1, round(rounds * SCALE)),
+        rounds=rounds if SMOKE else max(1, round(rounds * SCALE)),
         iterations=iterations,
         warmup_rounds=warmup_rounds,
     )

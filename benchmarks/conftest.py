@@ -15,9 +15,12 @@ not, grads real or fake).
 
 Smoke mode (CI, tests/test_benchmarks_smoke.py)::
 
-    python -m pytest benchmarks --benchmark-disable --bench-smoke
+    python -m pytest benchmarks --bench-smoke --benchmark-json=smoke.json
+    python benchmarks/ratios.py smoke.json
 
-runs every case once per variant (1 block, smallest sizes): seconds, no timing asserted.
+runs every case once per variant (1 block, 1 round, no warm-up, the smallest sizes) and still
+writes the JSON (with ``--benchmark-disable`` it runs the same but times nothing): seconds, no
+timing asserted, the table's numbers meaningless.
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--bench-smoke",
         action="store_true",
         default=False,
-        help="CI smoke run: 1 block, the smallest sizes of size-parametrized cases (use with "
-        "--benchmark-disable: each slot runs its target once); checks the cases run, not speed",
+        help="CI smoke run: 1 block, 1 round, no warm-up, the smallest sizes of "
+        "size-parametrized cases; checks that the cases run, not their speed",
     )
     group.addoption(
         "--bench-round-budget",
@@ -187,7 +190,7 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks: Any, output_
         "cuda_available": CUDA,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "blocks": config.getoption("--bench-blocks"),
+        "blocks": blocks_for(config, None),
         "scale": config.getoption("--bench-scale"),
         "smoke": config.getoption("--bench-smoke"),
         "defects": _support.defects(),

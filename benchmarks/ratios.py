@@ -282,7 +282,13 @@ def render(doc: dict[str, Any], source: str) -> str:
         f"torch {meta.get('torch', '?')} (CUDA build: {meta.get('torch_cuda') or 'no'}, "
         f"CUDA available: {meta.get('cuda_available', '?')}), {meta.get('cpu_count', '?')} CPUs "
         f"({cpu}), torch threads {meta.get('threads', '?')}, {meta.get('blocks', '?')} blocks, "
-        f"round scale {meta.get('scale', '?')}, defects detected: {meta.get('defects', '?')}",
+        f"round scale {meta.get('scale', '?')}"
+        + (
+            ", SMOKE RUN (1 round per variant: the numbers mean nothing)"
+            if meta.get("smoke")
+            else ""
+        )
+        + f", defects detected: {meta.get('defects', '?')}",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join("---" for _ in HEADER) + "|",

@@ -80,8 +80,8 @@ def no_graph_caches() -> Iterator[None]:
 
 
 def dynamo_counts() -> dict[str, int]:
-    """Graphs compiled and graph breaks since the last ``torch._dynamo.reset()`` (private
-    counters; empty when this build does not have them)."""
+    """Graphs compiled and graph breaks so far in this process (dynamo's private counters, which
+    ``reset()`` does not clear; empty when this build does not have them)."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:
@@ -109,11 +109,17 @@ def _step(compiled: Any, x: torch.Tensor, y: torch.Tensor, opt: Any) -> None:
     opt.step()
 
 
-def _check(model: torch.nn.Module, slot: _support.Slot) -> dict[str, Any]:
-    """The variant is what it claims; what the step left behind, for the table."""
+def _since(before: dict[str, int]) -> dict[str, int]:
+    """Graphs compiled and graph breaks since the snapshot ``before``."""
+    now = dynamo_counts()
+    return {k: v - before.get(k, 0) for k, v in now.items()}
+
+
+def _check(model: torch.nn.Module, slot: _support.Slot, compiled: dict[str, int]) -> dict[str, Any]:
+    """The variant is what it claims; what one compile did and the step left behind."""
     assert fakegrad_patch.is_installed() is (slot.variant == "patched")
     assert _support.grads_are_real(model)  # a compiled real step: real grads either way
-    return {**dynamo_counts(), "armed_leaves_after": fakegrad_patch.status()["armed_leaves"]}
+    return {**compiled, "armed_leaves_after": fakegrad_patch.status()["armed_leaves"]}
 
 
 @pytest.mark.paired("unpatched", "patched")
@@ -129,6 +135,7 @@ def test_p9_compile_first_step(benchmark, device: str, backend: str, slot: _supp
     def fresh() -> None:
         torch._dynamo.reset()
         holder["compiled"] = torch.compile(model, backend=backend)
+        holder["before"] = dynamo_counts()
 
     def first_step() -> None:
         _step(holder["compiled"], x, y, opt)
@@ -145,7 +152,8 @@ def test_p9_compile_first_step(benchmark, device: str, backend: str, slot: _supp
             setup=fresh,
             rounds=3,
         )
-        benchmark.extra_info.update(_check(model, slot))
+        # what the last round's compile did
+        benchmark.extra_info.update(_check(model, slot, _since(holder["before"])))
     torch._dynamo.reset()
 
 
@@ -161,10 +169,12 @@ def test_p10_compiled_steady_steps(
     _support.use_patch(slot.variant == "patched")
     with no_graph_caches():
         torch._dynamo.reset()
+        before = dynamo_counts()
         compiled = torch.compile(model, backend=backend)
         _step(compiled, x, y, opt)  # compile (untimed)
         _step(compiled, x, y, opt)
         counts = dynamo_counts()
+        compile_counts = _since(before)
 
         def steps() -> None:
             for _ in range(STEADY_STEPS):
@@ -181,7 +191,7 @@ def test_p10_compiled_steady_steps(
             rounds=5,
             extra={"steps_per_round": STEADY_STEPS},
         )
-        check = _check(model, slot)
+        check = _check(model, slot, compile_counts)
         # No recompilation during the timed steps (else this would be compile time again).
         assert dynamo_counts().get("graphs") == counts.get("graphs"), (counts, dynamo_counts())
         benchmark.extra_info.update(check)
