@@ -216,7 +216,7 @@ SCALE = 1.0
 #: ``--bench-smoke`` (set by conftest.py): the CI smoke run.
 SMOKE = False
 #: ``--bench-round-budget`` seconds (set by conftest.py).
-ROUND_BUDGET_S = 90.0
+ROUND_BUDGET_S = 150.0
 
 
 def record(

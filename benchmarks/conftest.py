@@ -64,7 +64,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--bench-round-budget",
         type=float,
-        default=90.0,
+        default=150.0,
         help="seconds: a size-parametrized case whose round is estimated (from its smaller "
         "sizes) to take longer is skipped, with the estimate in the ratio table",
     )

@@ -36,8 +36,18 @@ def fmt_time(seconds: float, sign: bool = False) -> str:
 
 
 def _data(bench: dict[str, Any]) -> list[float]:
+    """The round times of one benchmark: ``extra_info["inner_seconds"]`` when the case timed its
+    rounds itself (a subprocess measuring its own step), else pytest-benchmark's."""
+    inner = bench.get("extra_info", {}).get("inner_seconds")
+    if inner:
+        return list(inner)
     stats = bench["stats"]
     return list(stats.get("data") or [stats["median"]])
+
+
+def _median(bench: dict[str, Any]) -> float:
+    inner = bench.get("extra_info", {}).get("inner_seconds")
+    return statistics.median(inner) if inner else bench["stats"]["median"]
 
 
 def group_runs(doc: dict[str, Any]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
@@ -117,6 +127,15 @@ def _note(
             breaks = sorted({i["graph_breaks"] for i in group if "graph_breaks" in i})
             if graphs or breaks:
                 parts.append(f"{name}: graphs {graphs}, breaks {breaks}")
+        imports = [
+            (name, [t for i in group for t in i.get("import_seconds", [])])
+            for name, group in (("unpatched", base), (variant, infos))
+        ]
+        if all(times for _, times in imports):
+            parts.append(
+                "imports before the step: "
+                + ", ".join(f"{n} {fmt_time(statistics.median(t))}" for n, t in imports)
+            )
         armed = sorted({i["armed_leaves_after"] for i in infos if "armed_leaves_after" in i})
         if armed:
             parts.append(f"armed leaves after the step: {armed}")
@@ -205,7 +224,7 @@ def rows(doc: dict[str, Any]) -> list[list[str]]:
         for b in benches:
             info = b["extra_info"]
             pooled[info["variant"]].extend(_data(b))
-            per_block[(info["variant"], info["block"])] = b["stats"]["median"]
+            per_block[(info["variant"], info["block"])] = _median(b)
         if baseline not in pooled:
             continue
         base_median = statistics.median(pooled[baseline])

@@ -9,7 +9,7 @@ proportional to its size on every conversion makes the ratio grow with N (issue 
 Bounded: the larger sizes run 2 blocks (``max_blocks``) and no warm-up round (the smallest size
 warmed everything up). Before each size, its round time is estimated from the rounds of the two
 next smaller sizes already measured (growth exponent from their ratio, at least linear); when the
-estimate for either variant is over ``--bench-round-budget`` seconds (default 90), the size is
+estimate for either variant is over ``--bench-round-budget`` seconds (default 150), the size is
 skipped, with the estimate, in the pytest summary and below the ratio table. Memory: 50 K tensors
 of 16 bytes plus their fakes and autograd nodes, a few hundred MiB.
 """
