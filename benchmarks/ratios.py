@@ -148,6 +148,10 @@ def _note(
         hook = _first(infos, "hook_us_median")
         if hook is not None:
             text += f"; in the hook {hook:.1f} µs/leaf (set path, traced)"
+        if unit is not None and unit < 0:
+            text += (
+                "; negative: upstream's fake AccumulateGrad, which the patch replaces, costs more"
+            )
         return text
     if case == "P12":
         events = sum(i.get("set_events", 0) for i in infos)

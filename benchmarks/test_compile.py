@@ -239,7 +239,7 @@ def _fresh_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.paired("unpatched", "patched", max_blocks=4)
+@pytest.mark.paired("unpatched", "patched", max_blocks=2)  # a process per round: seconds each
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_p9_compile_first_step_fresh_process(
     benchmark, device: str, backend: str, slot: _support.Slot
