@@ -136,7 +136,9 @@ def _note(
                 "imports before the step: "
                 + ", ".join(f"{n} {fmt_time(statistics.median(t))}" for n, t in imports)
             )
-        armed = sorted({i["armed_leaves_after"] for i in infos if "armed_leaves_after" in i})
+        armed = sorted(
+            {i["armed_leaves_after"] for i in infos if i.get("armed_leaves_after") is not None}
+        )
         if armed:
             parts.append(f"armed leaves after the step: {armed}")
         return "; ".join(parts)
