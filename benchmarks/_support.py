@@ -62,18 +62,43 @@ def use_patch(on: bool) -> None:
     """Install or uninstall the patch (both idempotent) and check that it took effect, so a
     benchmark can never silently time the wrong variant.
 
-    A fresh installation probes torch for known defects on first use; that one-off cost of
-    ``install()`` is paid here, outside the timed rounds.
+    Whatever the patch does on first need (probing torch for known defects, calibrating) is paid
+    here, outside the timed rounds: after ``install()``, one tiny propagated fake forward and
+    backward on a throwaway leaf. Public API only (``install``/``uninstall``/``is_installed``),
+    so it keeps working while the core is rewritten.
     """
     if on:
         fakegrad_patch.install()
-        applied = fakegrad_patch._patch.current()
-        probes = getattr(applied, "probes", None)
-        if probes is not None and hasattr(probes, "detected"):
-            probes.detected()
+        first_need()
     else:
         fakegrad_patch.uninstall()
     assert fakegrad_patch.is_installed() is on, fakegrad_patch.status()
+
+
+def first_need() -> None:
+    """One propagated fake forward+backward on a throwaway real leaf (untimed)."""
+    leaf = torch.nn.Parameter(torch.ones(2))
+    with fake_mode(propagate=True):
+        (leaf * 2.0).sum().backward()
+
+
+def applied() -> Any:
+    """The patch's current application object, or None (private, for the micro cases P5/P7
+    only; every other case uses the public API). None too when the core no longer has it."""
+    module = getattr(fakegrad_patch, "_patch", None)
+    current = getattr(module, "current", None)
+    try:
+        return current() if callable(current) else None
+    except Exception:
+        return None
+
+
+def defects() -> Any:
+    """What the patch detected about this torch (``status()["defects"]``), for the JSON."""
+    try:
+        return fakegrad_patch.status().get("defects")
+    except Exception as exc:  # a rewritten core may report differently
+        return f"unavailable ({type(exc).__name__})"
 
 
 _cache: dict[tuple[Any, ...], Any] = {}
@@ -188,6 +213,10 @@ def batch(shape: tuple[int, ...], device: str, classes: int = 10) -> tuple[torch
 
 #: Multiplier for every case's rounds (``--bench-scale``; set by conftest.py).
 SCALE = 1.0
+#: ``--bench-smoke`` (set by conftest.py): the CI smoke run.
+SMOKE = False
+#: ``--bench-round-budget`` seconds (set by conftest.py).
+ROUND_BUDGET_S = 150.0
 
 
 def record(
@@ -210,10 +239,13 @@ def record(
     ``rounds`` is scaled by ``--bench-scale`` (at least 1). ``goal`` is the ratio the issue
     asks for (variant/baseline), a text goal, or None when there is none. Warm-up: one round in
     block 0 (first touch: lazy imports, torch's dispatch caches), none after, since the model
-    and tensors are shared by every slot of the case (:func:`cached`).
+    and tensors are shared by every slot of the case (:func:`cached`). Under ``--bench-smoke``:
+    one round, no warm-up.
     """
     if warmup_rounds is None:
         warmup_rounds = 1 if slot.block == 0 else 0
+    if SMOKE:  # one round, no warm-up: the smoke run checks that the case runs, not its speed
+        rounds, warmup_rounds = 1, 0
     benchmark.group = f"{case} {device} {detail}"
     benchmark.extra_info.update(
         {
@@ -232,7 +264,7 @@ def record(
     benchmark.pedantic(
         synced(target, device),
         setup=setup,
-        rounds=max(1, round(rounds * SCALE)),
+        rounds=rounds if SMOKE else max(1, round(rounds * SCALE)),
         iterations=iterations,
         warmup_rounds=warmup_rounds,
     )
@@ -248,3 +280,86 @@ def trace_config(**kwargs: Any) -> Iterator[None]:
         yield
     finally:
         trace.restore(previous)
+
+
+# -- many small leaves --------------------------------------------------------------------------
+
+
+class ManyLeaves(torch.nn.Module):
+    """``n`` real leaf Parameters of ``numel`` elements each, all fed to one ``torch.stack``.
+
+    The cheapest graph that reaches ``n`` leaves: one forward op over all of them (plus the
+    reduction), one backward node that sends each leaf its own gradient (``unbind``), then ``n``
+    AccumulateGrad nodes. So per-leaf costs (conversion, arming, the write of each gradient)
+    are as large a share of the step as they can be, which is what the per-leaf cases measure.
+    """
+
+    def __init__(self, n: int, numel: int = 4, device: str = "cpu") -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(4)
+        self.leaves = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(numel, generator=gen).to(device)) for _ in range(n)
+        )
+
+    def forward(self) -> torch.Tensor:
+        return torch.stack(list(self.leaves)).square().sum()
+
+
+def fake_step(model: torch.nn.Module, *args: Any, propagate: bool = True) -> Callable[[], None]:
+    """A fresh fake mode per call, forward and ``.sum().backward()`` inside it (the tool
+    pattern every fake case uses)."""
+
+    def run() -> None:
+        with fake_mode(propagate=propagate):
+            model(*args).sum().backward()
+
+    return run
+
+
+def grad_events(run: Callable[[], Any], level: str = "info") -> list[dict[str, Any]]:
+    """The trace events of one call of ``run`` (``trace.capture(level)``: the buffer, the sink
+    and their levels are left as they are). Empty when the trace module has no ``capture``."""
+    from fakegrad_patch import trace
+
+    capture = getattr(trace, "capture", None)
+    if capture is None:
+        run()
+        return []
+    with capture(level) as events:
+        run()
+    return list(events)
+
+
+def hook_durations_us(events: list[dict[str, Any]], action: str = "set") -> list[float]:
+    """``duration_us`` of the ``fake_grad_<action>`` events: the time spent in the hook that
+    wrote the leaf's gradient, as the materializer measures it (empty if it does not)."""
+    return [
+        float(e["duration_us"])
+        for e in events
+        if e.get("event") == f"fake_grad_{action}" and isinstance(e.get("duration_us"), int | float)
+    ]
+
+
+def median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+# -- skipped cases, kept for the ratio table ----------------------------------------------------
+
+#: Cases skipped for a reason the table should show (over the time budget, ...): appended by the
+#: cases, written to the JSON by conftest.py (``fakegrad_patch.skipped``), printed by ratios.py.
+SKIPPED: list[dict[str, Any]] = []
+
+
+def skip_case(case: str, detail: str, device: str, reason: str) -> None:
+    """Skip this slot and remember why (once per case) for the ratio table."""
+    entry = {"case": case, "device": device, "detail": detail, "reason": reason}
+    if entry not in SKIPPED:
+        SKIPPED.append(entry)
+    import pytest
+
+    pytest.skip(reason)

@@ -7,8 +7,20 @@ Run (docs/performance.md)::
 
 A test takes ``device`` (``cpu``; ``cuda`` only when ``torch.cuda.is_available()``, otherwise
 skipped with a reason) and ``slot`` (see _support.py) when it carries ``@pytest.mark.paired(
-baseline, other, ...)``. Benchmarks assert nothing about speed; they only check that each variant
-really is what it claims to be (patch installed or not, grads real or fake).
+baseline, other, ..., max_blocks=N)`` (``max_blocks``: cap ``--bench-blocks`` for an expensive
+case), and ``size`` when it carries ``@pytest.mark.sizes(full, smoke)`` (the sizes of a
+size-parametrized case; ``smoke`` under ``--bench-smoke``). Benchmarks assert nothing about
+speed; they only check that each variant really is what it claims to be (patch installed or
+not, grads real or fake).
+
+Smoke mode (CI, tests/test_benchmarks_smoke.py)::
+
+    python -m pytest benchmarks --bench-smoke --benchmark-json=smoke.json
+    python benchmarks/ratios.py smoke.json
+
+runs every case once per variant (1 block, 1 round, no warm-up, the smallest sizes) and still
+writes the JSON (with ``--benchmark-disable`` it runs the same but times nothing): seconds, no
+timing asserted, the table's numbers meaningless.
 """
 
 from __future__ import annotations
@@ -43,6 +55,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="multiplier for every case's rounds (0.2 for a smoke run, 3 for a quiet machine)",
     )
     group.addoption(
+        "--bench-smoke",
+        action="store_true",
+        default=False,
+        help="CI smoke run: 1 block, 1 round, no warm-up, the smallest sizes of "
+        "size-parametrized cases; checks that the cases run, not their speed",
+    )
+    group.addoption(
+        "--bench-round-budget",
+        type=float,
+        default=150.0,
+        help="seconds: a size-parametrized case whose round is estimated (from its smaller "
+        "sizes) to take longer is skipped, with the estimate in the ratio table",
+    )
+    group.addoption(
         "--bench-threads",
         type=int,
         default=1,
@@ -52,9 +78,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "paired(baseline, *others): a paired benchmark case; parametrizes `slot`"
+        "markers",
+        "paired(baseline, *others, max_blocks=None): a paired benchmark case; parametrizes `slot`",
+    )
+    config.addinivalue_line(
+        "markers", "sizes(full, smoke): the sizes of a case; parametrizes `size`"
     )
     _support.SCALE = config.getoption("--bench-scale")
+    _support.SMOKE = config.getoption("--bench-smoke")
+    _support.ROUND_BUDGET_S = config.getoption("--bench-round-budget")
     torch.set_num_threads(config.getoption("--bench-threads"))
     # Uninitialised or garbage real values (unpatched 2.13, D2) can be denormal; without this
     # they would slow the unpatched side down and flatter the patch.
@@ -76,11 +108,37 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 ),
             ],
         )
+    sizes = metafunc.definition.get_closest_marker("sizes")
+    chosen: list[int] | None = None
+    if sizes is not None and "size" in metafunc.fixturenames:
+        full, smoke = sizes.args
+        chosen = list(smoke if metafunc.config.getoption("--bench-smoke") else full)
     marker = metafunc.definition.get_closest_marker("paired")
     if marker is not None:
-        blocks = metafunc.config.getoption("--bench-blocks")
+        cap = marker.kwargs.get("max_blocks")
+        if chosen is not None:
+            # (size, slot) together: an expensive size may run fewer blocks (max_blocks={size: N})
+            pairs = [
+                (n, s)
+                for n in chosen
+                for s in _support.slots(
+                    tuple(marker.args),
+                    blocks_for(metafunc.config, cap.get(n) if isinstance(cap, dict) else cap),
+                )
+            ]
+            metafunc.parametrize("size,slot", pairs, ids=[f"n{n}-{s.id}" for n, s in pairs])
+            return
+        blocks = blocks_for(metafunc.config, cap)
         case_slots = _support.slots(tuple(marker.args), blocks)
         metafunc.parametrize("slot", case_slots, ids=[s.id for s in case_slots])
+    elif chosen is not None:
+        metafunc.parametrize("size", chosen, ids=[f"n{n}" for n in chosen])
+
+
+def blocks_for(config: pytest.Config, max_blocks: int | None) -> int:
+    """``--bench-blocks``, capped by the case's ``max_blocks``; 1 under ``--bench-smoke``."""
+    blocks = 1 if config.getoption("--bench-smoke") else config.getoption("--bench-blocks")
+    return blocks if max_blocks is None else max(1, min(blocks, max_blocks))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -125,7 +183,6 @@ def _restore_state() -> Any:
 
 def pytest_benchmark_update_json(config: pytest.Config, benchmarks: Any, output_json: dict) -> None:
     """Record what the ratios depend on: torch build, threads, defects the patch detected."""
-    applied = fakegrad_patch._patch.current()
     output_json["fakegrad_patch"] = {
         "version": fakegrad_patch.__version__,
         "torch": torch.__version__,
@@ -133,7 +190,9 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks: Any, output_
         "cuda_available": CUDA,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "blocks": config.getoption("--bench-blocks"),
+        "blocks": blocks_for(config, None),
         "scale": config.getoption("--bench-scale"),
-        "defects": applied.probes.detected() if applied is not None else None,
+        "smoke": config.getoption("--bench-smoke"),
+        "defects": _support.defects(),
+        "skipped": list(_support.SKIPPED),
     }

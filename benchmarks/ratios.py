@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-CASE_ORDER = ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"]
+CASE_ORDER = [f"P{i}" for i in range(1, 15)]
 
 
 def fmt_time(seconds: float, sign: bool = False) -> str:
@@ -36,8 +36,18 @@ def fmt_time(seconds: float, sign: bool = False) -> str:
 
 
 def _data(bench: dict[str, Any]) -> list[float]:
+    """The round times of one benchmark: ``extra_info["inner_seconds"]`` when the case timed its
+    rounds itself (a subprocess measuring its own step), else pytest-benchmark's."""
+    inner = bench.get("extra_info", {}).get("inner_seconds")
+    if inner:
+        return list(inner)
     stats = bench["stats"]
     return list(stats.get("data") or [stats["median"]])
+
+
+def _median(bench: dict[str, Any]) -> float:
+    inner = bench.get("extra_info", {}).get("inner_seconds")
+    return statistics.median(inner) if inner else bench["stats"]["median"]
 
 
 def group_runs(doc: dict[str, Any]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
@@ -50,8 +60,45 @@ def group_runs(doc: dict[str, Any]) -> dict[tuple[str, str, str], list[dict[str,
     return groups
 
 
-def _note(case: str, benches: list[dict[str, Any]], variant: str, delta: float) -> str:
-    infos = [b["extra_info"] for b in benches if b["extra_info"]["variant"] == variant]
+def _infos(benches: list[dict[str, Any]], variant: str) -> list[dict[str, Any]]:
+    return [b["extra_info"] for b in benches if b["extra_info"]["variant"] == variant]
+
+
+def _first(infos: list[dict[str, Any]], key: str) -> Any:
+    return next((i[key] for i in infos if i.get(key) is not None), None)
+
+
+def per_unit_us(
+    case: str, benches: list[dict[str, Any]], variant: str, delta: float
+) -> float | None:
+    """The case's per-unit cost in microseconds, where it has one: P7 per interception, P11
+    per leaf, P13 per event written; P12: the hook's median time per leaf."""
+    infos = _infos(benches, variant)
+    if case == "P7":
+        calls = _first(infos, "interceptions_per_round")
+        return delta / calls * 1e6 if calls else None
+    if case == "P11":
+        leaves = _first(infos, "leaves")
+        return delta / leaves * 1e6 if leaves else None
+    if case == "P12":
+        value = _first(infos, "hook_us_median")
+        return float(value) if value is not None else None
+    if case == "P13":
+        events = _first(infos, "events_per_round")
+        return delta / events * 1e6 if events else None
+    return None
+
+
+def _unit_goal(case: str, benches: list[dict[str, Any]], variant: str) -> float | None:
+    key = {"P11": "goal_us_per_leaf", "P12": "goal_us", "P13": "goal_us_per_event"}.get(case)
+    return None if key is None else _first(_infos(benches, variant), key)
+
+
+def _note(
+    case: str, benches: list[dict[str, Any]], variant: str, delta: float, spread: float | None
+) -> str:
+    infos = _infos(benches, variant)
+    unit = per_unit_us(case, benches, variant, delta)
     if case == "P4":
         events = sum(i.get("set_events", 0) for i in infos)
         zero = sum(i.get("zero_copy_events", 0) for i in infos)
@@ -71,8 +118,60 @@ def _note(case: str, benches: list[dict[str, Any]], variant: str, delta: float) 
         mods = sorted({m for i in infos for m in i.get("extra_modules_at_startup", [])})
         return "extra modules at start-up: " + (", ".join(mods) if mods else "none")
     if case == "P7":
-        calls = infos[0].get("interceptions_per_round", 0) if infos else 0
-        return f"{delta / calls * 1e6:+.2f} µs per interception" if calls else ""
+        return f"{unit:+.2f} µs per interception" if unit is not None else ""
+    if case in ("P9", "P10"):
+        base = _infos(benches, benches[0]["extra_info"]["baseline"])
+        parts = []
+        for name, group in (("unpatched", base), (variant, infos)):
+            graphs = sorted({i["graphs"] for i in group if "graphs" in i})
+            breaks = sorted({i["graph_breaks"] for i in group if "graph_breaks" in i})
+            if graphs or breaks:
+                parts.append(f"{name}: graphs {graphs}, breaks {breaks}")
+        imports = [
+            (name, [t for i in group for t in i.get("import_seconds", [])])
+            for name, group in (("unpatched", base), (variant, infos))
+        ]
+        if all(times for _, times in imports):
+            parts.append(
+                "imports before the step: "
+                + ", ".join(f"{n} {fmt_time(statistics.median(t))}" for n, t in imports)
+            )
+        armed = sorted(
+            {i["armed_leaves_after"] for i in infos if i.get("armed_leaves_after") is not None}
+        )
+        if armed:
+            parts.append(f"armed leaves after the step: {armed}")
+        return "; ".join(parts)
+    if case == "P11":
+        leaves = _first(infos, "leaves") or 0
+        text = f"{unit:+.2f} µs/leaf" if unit is not None else ""
+        if spread is not None and leaves:
+            text += f" (± {spread / leaves * 1e6:.1f} from the block IQR)"
+        hook = _first(infos, "hook_us_median")
+        if hook is not None:
+            text += f"; in the hook {hook:.1f} µs/leaf (set path, traced)"
+        if unit is not None and unit < 0:
+            text += (
+                "; negative: upstream's fake AccumulateGrad, which the patch replaces, costs more"
+            )
+        return text
+    if case == "P12":
+        events = sum(i.get("set_events", 0) for i in infos)
+        zero = sum(i.get("zero_copy_events", 0) for i in infos)
+        copied = sum(i.get("bytes_copied", 0) for i in infos)
+        samples = sum(i.get("hook_samples", 0) for i in infos)
+        head = (
+            f"{unit:.1f} µs/leaf in the hook (median of {samples})"
+            if unit is not None
+            else (_first(infos, "hook_note") or "no hook timing")
+        )
+        return f"{head}; {zero}/{events} set events zero-copy, {copied} bytes copied"
+    if case == "P13":
+        events = _first(infos, "events_per_round") or 0
+        return f"{unit:+.2f} µs/event ({events} events/round)" if unit is not None else ""
+    if case == "P14":
+        size = _first(infos, "param_tensors")
+        return f"{size} parameter tensors" if size else ""
     return ""
 
 
@@ -82,10 +181,21 @@ def _met(case: str, goal: Any, ratio: float, benches: list[dict[str, Any]], vari
     if isinstance(goal, (int, float)):
         return "yes" if ratio <= goal else "**no**"
     if case == "P4":
-        infos = [b["extra_info"] for b in benches if b["extra_info"]["variant"] == variant]
+        infos = _infos(benches, variant)
         events = sum(i.get("set_events", 0) for i in infos)
         copied = sum(i.get("bytes_copied", 0) for i in infos)
         return "yes" if events and copied == 0 else "**no**"
+    unit_goal = _unit_goal(case, benches, variant)
+    if unit_goal is not None:
+        base = [b for b in benches if b["extra_info"]["variant"] == b["extra_info"]["baseline"]]
+        var = [b for b in benches if b["extra_info"]["variant"] == variant]
+        delta = statistics.median([x for b in var for x in _data(b)]) - statistics.median(
+            [x for b in base for x in _data(b)]
+        )
+        unit = per_unit_us(case, benches, variant, delta)
+        if unit is None:
+            return "?"
+        return "yes" if unit <= unit_goal else "**no**"
     return "?"
 
 
@@ -120,7 +230,7 @@ def rows(doc: dict[str, Any]) -> list[list[str]]:
         for b in benches:
             info = b["extra_info"]
             pooled[info["variant"]].extend(_data(b))
-            per_block[(info["variant"], info["block"])] = b["stats"]["median"]
+            per_block[(info["variant"], info["block"])] = _median(b)
         if baseline not in pooled:
             continue
         base_median = statistics.median(pooled[baseline])
@@ -135,7 +245,23 @@ def rows(doc: dict[str, Any]) -> list[list[str]]:
                 if v == variant and (baseline, blk) in per_block
             ]
             spread = _paired(block_ratios)
-            goal = first.get("goal")
+            deltas = [
+                per_block[(variant, blk)] - per_block[(baseline, blk)]
+                for (v, blk) in per_block
+                if v == variant and (baseline, blk) in per_block
+            ]
+            delta_iqr = None
+            if len(deltas) >= 4:
+                q1, _, q3 = statistics.quantiles(deltas, n=4)
+                delta_iqr = (q3 - q1) / 2
+            goal = next(
+                (
+                    b["extra_info"].get("goal")
+                    for b in benches
+                    if b["extra_info"]["variant"] == variant
+                ),
+                first.get("goal"),
+            )
             out.append(
                 [
                     case,
@@ -150,7 +276,7 @@ def rows(doc: dict[str, Any]) -> list[list[str]]:
                     if goal is None
                     else (f"≤ {goal:.2f}" if not isinstance(goal, str) else goal),
                     _met(case, goal, ratio, benches, variant),
-                    _note(case, benches, variant, median - base_median),
+                    _note(case, benches, variant, median - base_median, delta_iqr),
                 ]
             )
     return out
@@ -181,13 +307,23 @@ def render(doc: dict[str, Any], source: str) -> str:
         f"torch {meta.get('torch', '?')} (CUDA build: {meta.get('torch_cuda') or 'no'}, "
         f"CUDA available: {meta.get('cuda_available', '?')}), {meta.get('cpu_count', '?')} CPUs "
         f"({cpu}), torch threads {meta.get('threads', '?')}, {meta.get('blocks', '?')} blocks, "
-        f"round scale {meta.get('scale', '?')}, defects detected: {meta.get('defects', '?')}",
+        f"round scale {meta.get('scale', '?')}"
+        + (
+            ", SMOKE RUN (1 round per variant: the numbers mean nothing)"
+            if meta.get("smoke")
+            else ""
+        )
+        + f", defects detected: {meta.get('defects', '?')}",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join("---" for _ in HEADER) + "|",
     ]
     table = rows(doc)
     lines += ["| " + " | ".join(r) + " |" for r in table]
+    skipped = meta.get("skipped") or []
+    if skipped:
+        lines += ["", "Skipped:"]
+        lines += [f"* {s['case']} {s['device']} {s['detail']}: {s['reason']}" for s in skipped]
     devices = {r[1] for r in table}
     if "cuda" not in devices:
         lines += ["", "No CUDA rows: the CUDA cases were skipped (no CUDA device in this run)."]

@@ -42,7 +42,7 @@ def test_p2_fake_forward(benchmark, device: str, propagate: bool, slot: _support
         case="P2",
         device=device,
         detail=f"fake forward mlp50 {'propagate' if propagate else 'plain'}",
-        goal=1.05,
+        goal=1.02 if propagate else 1.01,  # issue 17 (issue 13 asked <= 1.05 / 1.03)
         target=forward,
         rounds=1,
     )

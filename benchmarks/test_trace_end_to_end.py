@@ -1,0 +1,79 @@
+"""P13: the trace's cost per event END TO END (issue 17): a propagated fake forward+backward of a
+100-leaf model (:class:`_support.ManyLeaves`), patch installed, with the trace off (level
+``warning``, no sink: the default), at ``info`` into the memory buffer, and at ``info`` into a
+JSONL file; ``ratios.py`` divides the difference of the medians by the events one round writes
+(counted in an untimed round of the same variant): microseconds per event, goals memory <= 10,
+JSONL <= 20.
+
+Unlike P7 (the materializer called directly), this includes everything tracing adds to a real
+fake step: every event the patch emits on the way (not only the per-leaf ones), describing the
+leaves, the logger and the sink. Public API only (``trace.configure_trace``, ``trace.events``,
+``trace.clear``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import _support
+from fakegrad_patch import trace
+
+LEAVES = 100
+GOAL_US = {"memory": 10.0, "jsonl": 20.0}
+
+
+def _settings(variant: str, path: Path) -> dict[str, Any]:
+    if variant == "off":
+        return {"path": None, "level": "warning"}
+    if variant == "memory":
+        return {"path": None, "level": "info", "buffer_size": 100_000}
+    return {"path": str(path), "level": "info", "buffer_size": 100_000}
+
+
+def _lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@pytest.mark.paired("off", "memory", "jsonl")
+def test_p13_trace_end_to_end(benchmark, device: str, slot: _support.Slot, tmp_path: Path) -> None:
+    if not hasattr(trace, "configure_trace"):
+        pytest.skip("fakegrad_patch.trace.configure_trace does not exist")
+    model = _support.cached(("P13", device), lambda: _support.ManyLeaves(LEAVES, 4, device))
+    _support.use_patch(True)
+    step = _support.fake_step(model)
+    path = tmp_path / "trace.jsonl"
+
+    def fresh() -> None:  # returns None: pytest-benchmark would take a tuple as (args, kwargs)
+        model.zero_grad(set_to_none=True)
+        trace.clear()
+
+    with _support.trace_config(**_settings(slot.variant, path)):
+        # One untimed round: how many events a round writes in this variant.
+        model.zero_grad(set_to_none=True)
+        trace.clear()
+        before = _lines(path)
+        step()
+        events = len(trace.events())
+        written = _lines(path) - before if slot.variant == "jsonl" else events
+        trace.clear()
+        _support.record(
+            benchmark,
+            slot,
+            case="P13",
+            device=device,
+            detail=f"trace end to end, fwd+bwd {LEAVES} leaves propagate",
+            goal=None if slot.variant == "off" else f"≤ {GOAL_US[slot.variant]:g} µs/event",
+            target=step,
+            setup=fresh,
+            rounds=1 if _support.SMOKE else 5,
+            extra={"events_per_round": written, "goal_us_per_event": GOAL_US.get(slot.variant)},
+        )
+        recorded = len(trace.events())
+    # Each variant did what it says: nothing recorded with the trace off, events otherwise.
+    assert (written > 0) is (slot.variant != "off"), written
+    assert (recorded > 0) is (slot.variant != "off"), recorded
+    assert _support.grads_are_real(model)
+    trace.clear()
