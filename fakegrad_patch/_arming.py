@@ -86,13 +86,17 @@ class Arming:
             token = self._arm_call(args, kwargs)
         except Exception as exc:  # never break the host's backward
             self._applied.internal_error("backward", exc)
-        # DDP inside a fake mode: its Reducer runs with the mode popped (see _ddp); one global
-        # read and a shared null context when no DDP forward ever ran in a fake mode.
+        # DDP inside a fake mode: its Reducer runs with the mode popped (see _ddp); None (no
+        # context, no extra Python frame) when no DDP forward ever ran in a fake mode.
         scope = self._applied._ddp.backward_scope()
         if token is None:
+            if scope is None:
+                return wrapped(*args, **kwargs)
             with scope:
                 return wrapped(*args, **kwargs)
         try:
+            if scope is None:
+                return wrapped(*args, **kwargs)
             with scope:
                 return wrapped(*args, **kwargs)
         finally:

@@ -46,7 +46,7 @@ Contract with the core (three call sites, all in fakegrad_patch/_patch.py):
   wrapped(*args, **kwargs)``. It must enclose the engine call itself (the graph task captures the
   thread-local state when it is created) and be entered after the core has armed its pre-hooks
   (arming needs the fake mode; the pre-hooks themselves do not). Cost when no DDP forward ever ran
-  in a propagating fake mode: one global read, a shared null context.
+  in a propagating fake mode: one global read, and None is returned (no context to enter).
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ class _State:
         self.lock = threading.Lock()
         #: fake modes in which a DDP forward ran (weak: a finished mode is forgotten)
         self.modes: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: a DDP forward ran in some fake mode since install (read on every backward)
+        self.any_mode = False
         #: wrapped (owner, attribute, wrapper, original) while installed
         self.wrapped: list[tuple[Any, str, Any, Any]] = []
         self.targets: Any = None  # the resolved DDP touch points while installed
@@ -149,6 +151,7 @@ def remove() -> None:
         _state.targets = None
         _state.fsdp_wrapped = False
         _state.modes = weakref.WeakSet()
+        _state.any_mode = False
 
 
 def _unwrap_all() -> None:
@@ -187,6 +190,7 @@ def _around_forward_piece(
         return wrapped(*args, **kwargs)  # no fake mode, or one the patch cannot make real
     if mode not in _state.modes:
         _state.modes.add(mode)
+        _state.any_mode = True
         if trace.enabled(trace.INFO):
             trace.emit("ddp_mode_seen", trace.INFO, ddp=type(instance).__name__)
     with targets.unset_fake():
@@ -195,15 +199,17 @@ def _around_forward_piece(
 
 def backward_scope() -> Any:
     """A context manager for the engine call of one backward: the fake mode popped when it is
-    one in which a DDP forward ran, else a shared null context."""
-    if not _state.modes:
-        return _NULL
+    one in which a DDP forward ran, else None (the caller then calls the engine directly: no
+    Python frame is added to a backward that has nothing to do with DDP, which TorchDynamo would
+    count as frames of its own)."""
+    if not _state.any_mode:  # a plain attribute: no Python frame (WeakSet.__len__ is one)
+        return None
     targets = _state.targets
     if targets is None:
-        return _NULL
+        return None
     mode = targets.current_fake_mode()
     if mode is None or mode not in _state.modes:
-        return _NULL
+        return None
     return targets.unset_fake()
 
 

@@ -241,7 +241,9 @@ class _Applied:
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
         if not _state.dynamo_skip:
             _state.dynamo_skip = True
-            _targets.skip_in_dynamo(__package__)  # dynamo never compiles the patch's frames
+            # dynamo never compiles the patch's frames, nor those of wrapt's import finder (it
+            # sees every import once a post-import hook is registered)
+            _targets.skip_in_dynamo(__package__, "wrapt")
 
     # -- first need: probes D1 and P1, zero-copy calibration ------------------------------------
 

@@ -231,7 +231,8 @@ DESCRIBED_TENSORS = Target(
 #: the directories whose frames TorchDynamo never compiles (as it does for torch's own files).
 #: Without it, a backward called inside a compiled function runs the patch's Python wrapper
 #: frames under dynamo's frame hook: dynamo compiles them as new frames (extra frames and graph
-#: breaks, and on 2.13 a broken resume function). Called for ``fakegrad_patch`` when
+#: breaks, and on 2.13 a broken resume function). Called for ``fakegrad_patch`` and ``wrapt``
+#: (its import finder runs for every import once a post-import hook is registered) when
 #: ``torch._dynamo`` is imported (a wrapt post-import hook; the patch never imports it). Same
 #: name on 2.13.0, 2.14.1 and 2.15.0.
 DYNAMO_SKIP = Target(
@@ -400,9 +401,9 @@ def _make_torch_is_tracing() -> Callable[[], bool]:
     return torch_is_tracing
 
 
-def skip_in_dynamo(package: str) -> None:
-    """Make TorchDynamo skip ``package``'s frames, now if ``torch._dynamo`` is imported, else
-    when it is (never imports it). Never raises."""
+def skip_in_dynamo(*packages: str) -> None:
+    """Make TorchDynamo skip the frames of ``packages``, now if ``torch._dynamo`` is imported,
+    else when it is (never imports it). Never raises."""
     import contextlib
     import sys
 
@@ -410,8 +411,9 @@ def skip_in_dynamo(package: str) -> None:
 
     def add(_module: Any = None) -> None:
         # optional: where it fails, dynamo compiles our frames as user code
-        with contextlib.suppress(Exception):
-            resolve(DYNAMO_SKIP)(package)
+        for package in packages:
+            with contextlib.suppress(Exception):
+                resolve(DYNAMO_SKIP)(package)
 
     if "torch._dynamo.trace_rules" in sys.modules:
         add()

@@ -151,14 +151,20 @@ class Recorder:
         else:
             self.record[key] = None
 
-    def counters(self, key: str) -> None:
-        """torch._dynamo's counters (frames, graph breaks, captures, compiled-autograd counts)."""
+    def counters(self, key: str, *, frames: bool = True) -> None:
+        """torch._dynamo's counters (graph breaks, captures, compiled-autograd counts, frames).
+
+        ``frames`` counts every Python frame dynamo's callback converts while a compiled region
+        or compiled autograd runs, library frames included; under compiled autograd torch itself
+        varies it from run to run (sympy frames: 690/628 and 691/630 total/ok in two unpatched
+        runs of one program on 2.13 with PYTHONHASHSEED=0). Those programs pass
+        ``frames=False``; their captures, graphs and graph breaks are still compared."""
         from torch._dynamo.utils import counters
 
         self.record[key] = {
             str(group): {normalize_text(str(k)): int(v) for k, v in sorted(c.items(), key=str)}
             for group, c in sorted(counters.items(), key=lambda kv: str(kv[0]))
-            if c
+            if c and (frames or group != "frames")
         }
 
     def result(self) -> dict[str, Any]:
@@ -515,7 +521,7 @@ def _compiled_autograd_config_step(rec: Recorder, backend: Any) -> None:
             rec(f"step{i}.grads", {n: p.grad for n, p in model.named_parameters()})
             opt.step()
     rec.module("after", model)
-    rec.counters("counters")
+    rec.counters("counters", frames=False)  # upstream varies them here (see Recorder.counters)
 
 
 @program("compiled_autograd")
@@ -602,7 +608,7 @@ def compiled_autograd_config_optimizer_in_backward(rec: Recorder) -> None:
         for i in range(2):
             rec(f"step{i}.loss", compiled(inputs()))
             rec.module(f"step{i}", model)
-    rec.counters("counters")
+    rec.counters("counters", frames=False)  # upstream varies them here (see Recorder.counters)
 
 
 # ---------------------------------------------------------------------------------------------
