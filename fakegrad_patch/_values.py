@@ -96,7 +96,9 @@ class Values:
             mode = args[0] if args else kwargs["fake_mode"]
             if getattr(mode, "propagate_real_tensors", False):
                 t = args[1] if len(args) > 1 else kwargs["t"]
-                if kwargs.get("source") is not None:
+                if kwargs and (
+                    kwargs.get("source") is not None or getattr(mode, "shape_env", None) is not None
+                ):
                     self._tracer_owned(instance, mode, t, fake)
                 else:
                     op_input = len(args) == 2 and not kwargs
@@ -125,9 +127,11 @@ class Values:
                 self._applied.arming.arm_retained(t)
 
     def _tracer_owned(self, conv: Any, mode: Any, t: Any, fake: Any) -> None:
-        """A conversion that names a ``source`` is a tracer's own fakification (dynamo, export,
-        draft_export, which propagates real values): upstream's values and semantics, no probe,
-        no repair. It is recorded as seen, so it never makes the mode untrusted."""
+        """A ``from_tensor`` that names a ``source``, or into a mode with a ShapeEnv, is a
+        tracer's own fakification (dynamo, export, draft_export, which propagates real values):
+        upstream's values and semantics, no probe, no repair. It is recorded as seen, so it never
+        makes the mode untrusted. (Op inputs converted under ``allow_non_fake_inputs`` are never
+        tracer-owned: they carry no keyword arguments.)"""
         real = self._real_of(fake)
         if real is not None and not self._is_fake(t):
             root = t._base if t._base is not None else t
