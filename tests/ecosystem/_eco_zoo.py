@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,7 +60,6 @@ class Case:
     xfail: str | None = None
     #: the exception type upstream raises for an xfail case (the tests' `raises=`)
     xfail_raises: str | None = None
-    tags: tuple[str, ...] = field(default=())
 
 
 def library_version(library: str) -> str:
