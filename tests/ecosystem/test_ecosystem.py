@@ -43,8 +43,12 @@ def _params() -> list[Any]:
     for case in _eco_zoo.CASES:
         marks = []
         if case.xfail:
-            raises = getattr(fake_tensor, str(case.xfail_raises))
-            marks.append(pytest.mark.xfail(strict=True, reason=case.xfail, raises=raises))
+            # older builds (2.4) name no such exception; their cases skip anyway (no libraries)
+            raises = getattr(fake_tensor, str(case.xfail_raises), None)
+            if raises is None:
+                marks.append(pytest.mark.skip(reason=f"this torch has no {case.xfail_raises}"))
+            else:
+                marks.append(pytest.mark.xfail(strict=True, reason=case.xfail, raises=raises))
         out.append(pytest.param(case.name, marks=marks, id=case.name))
     return out
 
