@@ -188,19 +188,30 @@ class Probes:
             return not torch.equal(real, values)
 
     def _probe_foreign_fake(self) -> bool:
-        values = torch.linspace(-3.25, 7.5, 24).reshape(4, 6)
+        """Every tensor stays referenced until the comparison, and two different value sets are
+        used: a fresh, uninitialised copy can land on a freed block that held the same values
+        (seen on 2.4: a probe answering "fixed" by coincidence in one process of two)."""
         with (
             self._r.disable_current_modes(),
             torch.no_grad(),
             self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
             _bypass(),
         ):
-            first = self._r.fake_mode_cls().from_tensor(values.clone())
-            if getattr(first, "real_tensor", None) is None:
-                return False  # no propagation through from_tensor: nothing to repair
-            second = self._r.fake_mode_cls(allow_non_fake_inputs=True).from_tensor(first)
-            real = getattr(second, "real_tensor", None)
-            return real is not None and not torch.equal(real, values)
+            keep = []
+            for values in (
+                torch.linspace(-3.25, 7.5, 24).reshape(4, 6),
+                torch.linspace(9.0, -1.5, 24).reshape(4, 6),
+            ):
+                source = values.clone()
+                first = self._r.fake_mode_cls().from_tensor(source)
+                if getattr(first, "real_tensor", None) is None:
+                    return False  # no propagation through from_tensor: nothing to repair
+                second = self._r.fake_mode_cls(allow_non_fake_inputs=True).from_tensor(first)
+                keep.append((values, source, first, second))
+                real = getattr(second, "real_tensor", None)
+                if real is not None and not torch.equal(real, values):
+                    return True
+            return False
 
     def _probe_grad_copy(self) -> bool:
         """Convert plain and Parameter leaves holding strided grads; compare the fake grad's real

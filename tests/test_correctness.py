@@ -370,7 +370,13 @@ def test_meta_model_gets_meta_gradients_of_its_shape(steps: int, where: str) -> 
     with propagating, warnings.catch_warnings(record=True) as caught, fake_mode():
         warnings.simplefilter("always")
         for _ in range(steps):
-            model(x).sum().backward()
+            try:
+                loss = model(x).sum()
+            except RuntimeError as exc:  # upstream, patched or not (2.4: channels_last meta view)
+                if where == "propagating" and "view size is not compatible" in str(exc):
+                    pytest.skip(f"this torch cannot run a meta model under propagation: {exc}")
+                raise
+            loss.backward()
     for _ in range(steps):
         ref(x).sum().backward()
     assert not [w for w in caught if issubclass(w.category, fakegrad_patch.FakeGradPatchWarning)]
