@@ -183,10 +183,8 @@ class Materializer:
         """
         start = time.perf_counter()
         real = None if leaf.is_meta else self._r.real_of(grad)
-        if real is None and not leaf.is_meta and not _config.current().on_missing_explicit:
-            mode = getattr(grad, "fake_mode", None)
-            if not getattr(mode, "propagate_real_tensors", False):
-                return None  # no real values exist in this mode: upstream's behaviour (issue 17)
+        if real is None and not leaf.is_meta and left_to_upstream(grad):
+            return None  # no real values exist in this mode: upstream's behaviour (issue 17)
         if leaf.is_meta:
             # Shape-only analysis: a meta leaf has no data, so its gradient needs none either.
             # Upstream gives it a (fake) meta gradient; eager on meta gives a real meta one.
@@ -433,19 +431,13 @@ class Hooks:
         if grad is None or not self._r.is_fake(grad):
             return
         real = self._r.real_of(grad)
-        settings = _config.current()
-        mode = getattr(grad, "fake_mode", None)
-        if (
-            real is None
-            and not settings.on_missing_explicit
-            and not getattr(mode, "propagate_real_tensors", False)
-        ):
+        if real is None and left_to_upstream(grad):
             return  # upstream's behaviour where no real values exist
         with self._r.no_dispatch(), torch.no_grad():
             if real is not None:
                 tensor.grad = real  # a fresh clone (or sum) the retain hook made: ours alone
                 return
-            policy = settings.on_missing
+            policy = _config.current().on_missing
             if policy == "keep":
                 return
             if policy == "error":
@@ -462,6 +454,14 @@ class Hooks:
                 from ._patch import warn_once
 
                 warn_once("drop", _DROP_MESSAGE)
+
+
+def left_to_upstream(grad: Any) -> bool:
+    """A fake gradient without real values is upstream's (never touched) when its mode does not
+    propagate real values and ``on_missing`` was not set explicitly (issue 17)."""
+    if _config.current().on_missing_explicit:
+        return False
+    return not getattr(getattr(grad, "fake_mode", None), "propagate_real_tensors", False)
 
 
 def _empty_grad_for(leaf: torch.Tensor, grad: Any) -> torch.Tensor:

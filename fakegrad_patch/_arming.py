@@ -89,18 +89,14 @@ class Arming:
         # DDP inside a fake mode: its Reducer runs with the mode popped (see _ddp); None (no
         # context, no extra Python frame) when no DDP forward ever ran in a fake mode.
         scope = self._applied._ddp.backward_scope()
-        if token is None:
-            if scope is None:
-                return wrapped(*args, **kwargs)
-            with scope:
-                return wrapped(*args, **kwargs)
         try:
             if scope is None:
                 return wrapped(*args, **kwargs)
             with scope:
                 return wrapped(*args, **kwargs)
         finally:
-            self.disarm(token)
+            if token is not None:
+                self.disarm(token)
 
     def _arm_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]] | None:
         tensors = args[0] if args else kwargs.get("tensors")

@@ -51,7 +51,6 @@ Contract with the core (three call sites, all in fakegrad_patch/_patch.py):
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import weakref
@@ -60,8 +59,6 @@ from typing import Any
 import wrapt
 
 from . import trace
-
-_NULL = contextlib.nullcontext()
 
 
 class _State:
