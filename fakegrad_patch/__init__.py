@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._config import ON_MISSING_VALUES, OnMissing, Settings
+from ._config import BUFFERS_VALUES, ON_MISSING_VALUES, Buffers, OnMissing, Settings
 from ._errors import FakeGradError, FakeGradPatchWarning
 
 
@@ -91,7 +91,9 @@ if TYPE_CHECKING:
     from . import trace as trace
 
 __all__ = [
+    "BUFFERS_VALUES",
     "ON_MISSING_VALUES",
+    "Buffers",
     "FakeGradError",
     "FakeGradPatchWarning",
     "OnMissing",
@@ -115,18 +117,32 @@ __all__ = [
 __version__ = "0.3.0"
 
 
-def configure(*, on_missing: OnMissing | None = None) -> Settings:
+def configure(*, on_missing: OnMissing | None = None, buffers: Buffers | None = None) -> Settings:
     """Change settings for the whole process; return the previous ones (pass their fields back,
     or use :func:`patched`, to restore).
 
     on_missing: ``"drop"`` (default), ``"zeros"``, ``"error"`` or ``"keep"``; see
-    docs/configuration.md. Giving it makes it explicit (``Settings.on_missing_explicit``);
-    ``None`` leaves it unchanged. Invalid values raise ValueError naming the setting, the value
-    and the valid ones; settings are then unchanged.
+    docs/configuration.md. Giving it makes it explicit (``Settings.on_missing_explicit``).
+    buffers: ``"upstream"`` (default) or ``"write_back"``: in-place updates a propagating mode
+    applies to real tensors that do not require grad (BatchNorm running statistics,
+    spectral_norm's vectors) reach them exactly once, as in eager mode; see
+    docs/configuration.md. ``None`` leaves a setting unchanged. Invalid values raise ValueError
+    naming the setting, the value and the valid ones; settings are then unchanged.
     """
     from . import _config
 
-    return _config.update(on_missing=on_missing)
+    previous = _config.update(on_missing=on_missing, buffers=buffers)
+    _settings_changed()
+    return previous
+
+
+def _settings_changed() -> None:
+    """Let the applied patch follow the settings (nothing is applied without wrapt)."""
+    import sys
+
+    patch = sys.modules.get(__name__ + "._patch")
+    if patch is not None:
+        patch.settings_changed()
 
 
 def settings() -> Settings:
@@ -137,20 +153,24 @@ def settings() -> Settings:
 
 
 @contextlib.contextmanager
-def patched(*, on_missing: OnMissing | None = None) -> Iterator[None]:
-    """Scoped use: the patch is installed (and ``on_missing`` set, explicitly, when given) inside
-    the block, and the previous state (installed or not, settings exactly, the explicit flag
-    included) is restored on exit. An invalid ``on_missing`` raises ValueError before anything
-    changes."""
+def patched(
+    *, on_missing: OnMissing | None = None, buffers: Buffers | None = None
+) -> Iterator[None]:
+    """Scoped use: the patch is installed (and ``on_missing``/``buffers`` set when given:
+    ``on_missing`` explicitly) inside the block, and the previous state (installed or not,
+    settings exactly, the explicit flag included) is restored on exit. An invalid value raises
+    ValueError before anything changes."""
     from . import _config
 
     was_installed = is_installed()
-    previous = _config.update(on_missing=on_missing)
+    previous = _config.update(on_missing=on_missing, buffers=buffers)
     install()
+    _settings_changed()
     try:
         yield
     finally:
         _config.restore(previous)
+        _settings_changed()
         if not was_installed:
             uninstall()
 
@@ -194,13 +214,15 @@ def verify(
     atol: Any = None,
     rtol: Any = None,
     check_buffers: bool | str = True,
+    buffers: Buffers | None = None,
 ) -> Any:
     """Prove the patch on your model: train a deep copy eagerly and a deep copy under
     ``FakeTensorMode(allow_non_fake_inputs=True)`` with real-value propagation and the patch, with
     the same random numbers, for ``steps`` steps (``optimizer``: a factory called with the copy's
     parameters), and return a report comparing every named parameter (gradient real or fake,
     max abs/rel difference, dtype, device, strides, ``.grad`` identity across steps, values after
-    the step, what the patch did). ``report.ok`` is the verdict, ``report.format()`` the table,
+    the step, what the patch did; ``buffers``: the patched copy's buffers setting, default the
+    one in force). ``report.ok`` is the verdict, ``report.format()`` the table,
     ``report.assert_ok()`` raises with it. Your model, RNG state, patch state and settings are
     left unchanged. See docs/verify.md."""
     from ._verify import verify as _verify
@@ -215,6 +237,7 @@ def verify(
         atol=atol,
         rtol=rtol,
         check_buffers=check_buffers,  # type: ignore[arg-type]
+        buffers=buffers,
     )
 
 

@@ -32,6 +32,12 @@ ON_MISSING_VALUES: tuple[str, ...] = ("drop", "zeros", "error", "keep")
 DEFAULT_ON_MISSING: OnMissing = "drop"
 ENV_ON_MISSING = "FAKEGRAD_ON_MISSING"
 
+Buffers = Literal["upstream", "write_back"]
+#: Valid values of ``buffers``, in documentation order.
+BUFFERS_VALUES: tuple[str, ...] = ("upstream", "write_back")
+DEFAULT_BUFFERS: Buffers = "upstream"
+ENV_BUFFERS = "FAKEGRAD_BUFFERS"
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -44,10 +50,17 @@ class Settings:
     on_missing_explicit: True when the user chose ``on_missing`` (``FAKEGRAD_ON_MISSING`` set to a
         valid value, or ``configure(on_missing=...)`` / ``patched(on_missing=...)``); False when
         ``on_missing`` is the default (also after an invalid ``FAKEGRAD_ON_MISSING``).
+    buffers: what happens to real tensors that do not require grad (buffers such as BatchNorm's
+        running statistics, spectral_norm's ``_u``/``_v``, frozen parameters, optimizer state)
+        when a propagating mode updates them in place as op inputs: ``upstream`` (default: the
+        update is applied to the fake's private copy only, the real tensor stays as it was) or
+        ``write_back`` (the update reaches the real tensor exactly once, as in eager mode). See
+        docs/configuration.md.
     """
 
     on_missing: OnMissing = DEFAULT_ON_MISSING
     on_missing_explicit: bool = False
+    buffers: Buffers = DEFAULT_BUFFERS
 
 
 #: How many characters of a bad value a message echoes (environment values can be huge).
@@ -102,6 +115,15 @@ def validate_on_missing(value: object) -> OnMissing:
 
 def _parse_on_missing(value: object) -> OnMissing:
     return validate_on_missing(value)
+
+
+def validate_buffers(value: object) -> Buffers:
+    """Return ``value`` as a buffers mode or raise ValueError naming the setting, the value and
+    the valid ones (``write-back`` is taken for ``write_back``)."""
+    text = value.strip().lower().replace("-", "_") if isinstance(value, str) else None
+    if text not in BUFFERS_VALUES:
+        raise ValueError(invalid_message(setting("buffers"), value))
+    return cast(Buffers, text)
 
 
 def _parse_path(value: object) -> str | None:
@@ -266,6 +288,17 @@ SETTINGS: tuple[Setting, ...] = (
         allowed="one of " + ", ".join(repr(v) for v in ON_MISSING_VALUES),
         parse=_parse_on_missing,
         default=repr(DEFAULT_ON_MISSING),
+    ),
+    Setting(
+        name="buffers",
+        env=ENV_BUFFERS,
+        read_by="fakegrad_patch._config (at import fakegrad_patch)",
+        python=("fakegrad_patch.configure", "fakegrad_patch.patched", "fakegrad_patch.verify"),
+        cli=("verify --buffers",),
+        ini=(),
+        allowed="one of " + ", ".join(repr(v) for v in BUFFERS_VALUES),
+        parse=validate_buffers,
+        default=repr(DEFAULT_BUFFERS),
     ),
     Setting(
         name="path",
@@ -532,11 +565,15 @@ def check_environment() -> list[str]:
 
 
 def _from_env(environ: Mapping[str, str] | None = None) -> tuple[Settings, str | None]:
-    """Settings from the environment, and the warning to give when a value is invalid."""
+    """Settings from the environment, and the warning to give when ``on_missing`` is invalid
+    (an invalid ``FAKEGRAD_BUFFERS`` is reported by :func:`check_environment`, like every other
+    variable of the table, and means the default)."""
     policy, problem = parse_env(ENV_ON_MISSING, environ)
+    buffers, _ = parse_env(ENV_BUFFERS, environ)
+    settings = Settings(buffers=buffers) if buffers is not None else Settings()
     if policy is None:
-        return Settings(), problem
-    return Settings(on_missing=policy, on_missing_explicit=True), None
+        return settings, problem
+    return replace(settings, on_missing=policy, on_missing_explicit=True), None
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
@@ -576,9 +613,10 @@ def current() -> Settings:
     return settings
 
 
-def update(*, on_missing: object = None) -> Settings:
+def update(*, on_missing: object = None, buffers: object = None) -> Settings:
     """Change settings; return the previous ones. Arguments left as ``None`` are unchanged; a
-    given ``on_missing`` makes it explicit (:attr:`Settings.on_missing_explicit`)."""
+    given ``on_missing`` makes it explicit (:attr:`Settings.on_missing_explicit`). Every value is
+    validated before anything changes."""
     global _current
     problem = None
     try:
@@ -591,6 +629,8 @@ def update(*, on_missing: object = None) -> Settings:
                 new = replace(
                     new, on_missing=validate_on_missing(on_missing), on_missing_explicit=True
                 )
+            if buffers is not None:
+                new = replace(new, buffers=validate_buffers(buffers))
             _current = new
     finally:
         _warn_env(problem)

@@ -67,15 +67,18 @@ def has_managed_grads() -> bool:
 
 
 def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:
-    """Give every parameter of ``module`` its qualified name in trace events and messages.
+    """Give every parameter of ``module`` its qualified name in trace events and messages (its
+    buffers too: write-back events name them).
 
-    Weakly held: naming never keeps a parameter alive. Returns how many were named.
+    Weakly held: naming never keeps a tensor alive. Returns how many parameters were named.
     """
     count = 0
     with _lock:
         for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
             _names.set(param, name)
             count += 1
+        for name, buffer in module.named_buffers(prefix=prefix.rstrip(".")):
+            _names.set(buffer, name)
     return count
 
 

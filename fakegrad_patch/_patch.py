@@ -178,6 +178,8 @@ def status() -> dict[str, Any]:
         # None until first need (probe D1); False: upstream is fixed, the patch stands aside
         "arming": applied._arming if applied else None,
         "zero_copy": bool(applied and applied.materializer.baseline is not None),
+        # buffers="write_back" in force (FakeTensorMode.dispatch wrapped)
+        "write_back": bool(applied and applied.write_back.enabled),
     }
 
 
@@ -189,6 +191,13 @@ def _armed_count() -> int:
 
 def current() -> _Applied | None:
     return _state.applied
+
+
+def settings_changed() -> None:
+    """configure()/patched() changed the settings: let the applied patch follow them."""
+    applied = _state.applied
+    if applied is not None:
+        applied.apply_settings()
 
 
 class _Applied:
@@ -203,11 +212,21 @@ class _Applied:
     def __init__(self) -> None:
         import torch
 
-        from . import _accumulate, _arming, _fakeleaves, _leaves, _probes, _targets, _values
+        from . import (
+            _accumulate,
+            _arming,
+            _fakeleaves,
+            _leaves,
+            _probes,
+            _targets,
+            _values,
+            _writeback,
+        )
 
         self._torch = torch
         self.resolved = _targets.resolve_all()
         self.probes = _probes.Probes(self.resolved)
+        self.write_back = _writeback.WriteBack(self.resolved, self)
         self.values = _values.Values(self.resolved, self.probes, self)
         self.materializer = _accumulate.Materializer(
             self.resolved,
@@ -239,6 +258,7 @@ class _Applied:
 
         self._ddp = _ddp
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
+        self.apply_settings()
         if not _state.dynamo_skip:
             _state.dynamo_skip = True
             # dynamo never compiles the patch's frames, nor those of wrapt's import finder (it
@@ -322,6 +342,28 @@ class _Applied:
         baseline = AdoptBaseline(*exclusive[0])
         return None if baseline.admits(shared[0]) else baseline
 
+    def apply_settings(self) -> None:
+        """Follow the settings that need wrappers: ``buffers="write_back"`` wraps
+        ``FakeTensorMode.dispatch`` while it is on (never raises)."""
+        from . import _config
+
+        want = _config.current().buffers == "write_back"
+        try:
+            if want and not self.write_back.enabled:
+                if not self.write_back.enable():
+                    reason = "FakeTensorMode.dispatch not found on this build"
+                    warn_once(
+                        "write_back:unavailable",
+                        f"fakegrad_patch: buffers='write_back' is not available ({reason}); "
+                        "buffers keep upstream semantics.",
+                    )
+                    if trace.enabled(trace.WARNING):
+                        trace.emit("write_back_unavailable", trace.WARNING, reason=reason)
+            elif not want and self.write_back.enabled:
+                self.write_back.disable()
+        except Exception as exc:  # never break the host
+            self.internal_error("settings", exc)
+
     def internal_error(self, where: str, exc: BaseException) -> None:
         if trace.enabled(trace.ERROR):
             trace.emit(
@@ -347,6 +389,10 @@ class _Applied:
         self.values.active = False
         self.arming.active = False
         self._ddp.remove()
+        try:
+            self.write_back.disable()
+        except Exception as exc:  # never break the host
+            self.internal_error("uninstall", exc)
         self._unwrap(self._cls, _ATTR, self._wrapper, self._original, self._had_own_attr)
         self._unwrap(self._autograd, "backward", self._backward_wrapper, None, True)
         try:

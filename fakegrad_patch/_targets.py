@@ -241,6 +241,22 @@ DYNAMO_SKIP = Target(
     "optional: dynamo never compiles the patch's own frames",
 )
 
+#: WRAPPED, OPTIONAL, only while ``buffers="write_back"`` is on (fakegrad_patch/_writeback.py;
+#: never wrapped otherwise). ``FakeTensorMode.dispatch(self, func, types, args=(), kwargs=...)``:
+#: the entry of every op the mode handles (``__torch_dispatch__`` calls it positionally; the
+#: nested ops of decompositions, ``func.decompose`` and Python meta/fake implementations that
+#: ``_dispatch_impl`` runs ``with self`` come back through it). Wrapped to know, per thread and
+#: mode, the outermost op: write-back aliases only its arguments, and gives its nested ops a
+#: shadow of what they write (FakeTensorMode runs them for real after running the outer op for
+#: real: ``native_batch_norm``'s running statistics would be updated twice). Same signature and
+#: the same order (real run before the fake implementation) on 2.13.0 and 2.14.1. Absent:
+#: write-back unavailable (one warning), buffers keep upstream semantics.
+FAKE_MODE_DISPATCH = Target(
+    FAKE_TENSOR_MODULE,
+    "FakeTensorMode.dispatch",
+    "optional: buffers='write_back' (the outermost op of a mode)",
+)
+
 ALL_TARGETS: tuple[Target, ...] = (
     FROM_REAL_TENSOR,
     FAKE_TENSOR,
@@ -258,6 +274,7 @@ ALL_TARGETS: tuple[Target, ...] = (
     SHOULD_ALLOW_NUMBERS,
     GRAPH_TASK_ID,
     FUNCTORCH_STACK,
+    FAKE_MODE_DISPATCH,
 )
 
 #: Targets whose absence degrades a detail instead of blocking the patch.
@@ -269,6 +286,7 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
         POST_ACCUMULATE_HOOKS,
         SHOULD_ALLOW_NUMBERS,
         FUNCTORCH_STACK,
+        FAKE_MODE_DISPATCH,
     }
 )
 

@@ -20,6 +20,9 @@ propagated values equal to the real source's, **per converter**:
 * **Managed gradients**: a real ``.grad`` the patch wrote, converted inside the mode
   (``zero_grad(set_to_none=False)``, ``clip_grad_norm_``): the fake's propagated values are the
   real gradient itself, so in-place changes reach it once, as in eager mode.
+* **Write-back** (``buffers="write_back"``, opt-in, issue 18): a real op input that does not
+  require grad, converted by the outermost op of a propagating mode, gets propagated values
+  that *are* the real tensor, so in-place updates reach it exactly once (_writeback).
 * **Conversions the patch did not see** (issue 19): on builds with D2, the first time a converter
   is met after the patch was applied (again), the tensors it converted before are compared with
   this module's records; a Parameter converted while the patch was not installed had
@@ -83,6 +86,8 @@ class Values:
         self.active = True
         #: probe D2, read at the first propagating conversion
         self._d2: bool | None = None
+        #: buffers="write_back" (issue 18): aliases op inputs that do not require grad
+        self._write_back = applied.write_back
 
     # -- the wrapper ---------------------------------------------------------------------------
 
@@ -165,6 +170,8 @@ class Values:
                 self._applied.arming.arm_retained(t)
         elif _leaves.has_managed_grads() and _leaves.managed_grad(t):
             self._alias_grad(fake, t)
+        elif op_input and self._write_back.enabled and self._write_back.on_convert(mode, t, fake):
+            self._note_alias(conv, t, fake)
         else:
             self._sync(conv, fake, t)
         # grad-copy fidelity (probe D4) and mirror_to_sources (issue 7)
@@ -178,6 +185,14 @@ class Values:
             table = WeakIdTable()
             _records.set(conv, table)
         return table
+
+    def _note_alias(self, conv: Any, t: Any, fake: Any) -> None:
+        """``fake`` aliases ``t`` (write-back): its values are right by construction; recorded
+        so that the untrusted-mode check knows the conversion was seen."""
+        root = t._base if t._base is not None else t
+        fake_root = fake._base if fake._base is not None else fake
+        data = root.untyped_storage().data_ptr()
+        self._table(conv).set(root, (weakref.ref(fake_root), data, root._version))
 
     def _note(self, conv: Any, t: Any) -> None:
         table = self._table(conv)

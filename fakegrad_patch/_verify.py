@@ -44,7 +44,11 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 _FALLBACK_TOLERANCE = (1.3e-6, 1e-5)
 
-_BUFFER_NOTE = "differs from eager: updated on a fake copy inside the mode (upstream, not a .grad)"
+_BUFFER_NOTE = (
+    "differs from eager: updated on a fake copy inside the mode (upstream; "
+    'buffers="write_back" writes it back)'
+)
+_BUFFER_NOTE_WRITE_BACK = "differs from eager though written back (see the trace)"
 
 _PATCH_EVENTS = {
     "fake_grad_set": "set",
@@ -77,6 +81,7 @@ def verify(
     atol: Tolerance = None,
     rtol: Tolerance = None,
     check_buffers: bool | Literal["strict"] = True,
+    buffers: str | None = None,
 ) -> VerifyReport:
     """Train two deep copies of ``model`` side by side, eagerly and patched under FakeTensorMode
     with real-value propagation, and report per named parameter whether they agree.
@@ -96,6 +101,10 @@ def verify(
         (:data:`DEFAULT_TOLERANCES`).
     check_buffers: compare buffers after the last step (``"strict"``: differences fail the
         verdict; by default they are reported only, see :class:`BufferReport`).
+    buffers: the patched copy's ``buffers`` setting (``"upstream"`` or ``"write_back"``, see
+        docs/configuration.md); default: the setting in force (``configure``,
+        ``FAKEGRAD_BUFFERS``). With ``"write_back"`` in-place buffer updates inside the mode
+        reach the real buffers, and buffers are expected to equal eager's.
 
     Raises VerifyError when the comparison cannot be made. Never changes ``model``, the RNG state,
     the patch state or settings.
@@ -108,7 +117,10 @@ def verify(
         ("atol", atol),
         ("rtol", rtol),
         ("check_buffers", check_buffers),
+        ("buffers", buffers),
     ):
+        if value is None and name == "buffers":
+            continue
         try:
             if name in ("steps", "atol", "rtol") and isinstance(value, str):
                 raise ValueError(_config.invalid_message(_config.setting(name), value))
@@ -126,7 +138,8 @@ def verify(
     patched = _copy(model, "the model")
     names = _param_names(patched)
     loss_of = loss_fn if loss_fn is not None else default_loss
-    run = _Run(eager, patched, example_inputs, loss_of, optimizer, zero_grad, atol, rtol)
+    mode = _config.current().buffers if buffers is None else _config.parse("buffers", buffers)
+    run = _Run(eager, patched, example_inputs, loss_of, optimizer, zero_grad, atol, rtol, mode)
     with torch.random.fork_rng(devices=_cuda_devices(model, example_inputs)), torch.enable_grad():
         run.execute(steps)
     return run.report(
@@ -177,8 +190,10 @@ class _Run:
         zero_grad: ZeroGrad,
         atol: Tolerance,
         rtol: Tolerance,
+        buffers: str,
     ) -> None:
         self.eager, self.patched = eager, patched
+        self.buffers = buffers
         self.inputs, self.loss_fn = inputs, loss_fn
         self.zero_grad = zero_grad
         self.atol, self.rtol = atol, rtol
@@ -228,7 +243,7 @@ class _Run:
             loss_e = self._eager_step(step)
             _set_rng_state(cpu, cuda)
             with (
-                fakegrad_patch.patched(),
+                fakegrad_patch.patched(buffers=self.buffers),  # type: ignore[arg-type]
                 trace.capture(trace.INFO) as events,
                 self.config.patch(fake_tensor_propagate_real_tensors=True),
             ):
@@ -456,12 +471,32 @@ class _Run:
                 row.max_abs = abs_diff
                 if not close:
                     row.matches = False
-                    row.note = _BUFFER_NOTE
+                    row.note = (
+                        _BUFFER_NOTE_WRITE_BACK if self.buffers == "write_back" else _BUFFER_NOTE
+                    )
             out.append(row)
-        if not strict and any(not b.matches for b in out):
+        if any(not b.matches for b in out):
+            if not strict:
+                self.notes.append(
+                    "buffers marked ~ differ from eager; this does not fail the verdict "
+                    '(check_buffers="strict" makes it)'
+                )
+            if self.buffers != "write_back":
+                self.notes.append(
+                    "buffers updated in place inside the mode stay stale by default (upstream "
+                    'semantics): buffers="write_back" (verify(..., buffers="write_back"), '
+                    "fakegrad_patch.configure(buffers=...), FAKEGRAD_BUFFERS=write_back, "
+                    "verify --buffers write_back) makes them reach the real buffers as in eager"
+                )
+        written = sum(1 for e in self.events if e.get("event") == "buffer_written_back")
+        if written:
+            nbytes = sum(
+                int(e.get("bytes") or 0)
+                for e in self.events
+                if e.get("event") == "buffer_written_back"
+            )
             self.notes.append(
-                "buffers marked ~ differ from eager; this does not fail the verdict "
-                '(check_buffers="strict" makes it)'
+                f"buffers written back to the real buffers: {written} time(s), {nbytes} bytes"
             )
         return out
 
@@ -485,6 +520,7 @@ class _Run:
             buffers=buffers,
             losses=self.losses,
             strict_buffers=strict,
+            buffers_mode=self.buffers,
             general_problems=self.general,
             notes=self.notes,
         )

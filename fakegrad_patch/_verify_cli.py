@@ -140,6 +140,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--strict-buffers", action="store_true", help="buffers that differ fail the verdict"
     )
+    parser.add_argument(
+        "--buffers",
+        type=_option("buffers"),
+        help="upstream or write_back: in-place buffer updates inside the mode reach the real "
+        "buffers (default: the setting in force, FAKEGRAD_BUFFERS)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
 
@@ -171,6 +177,7 @@ def main(argv: list[str]) -> int:
             atol=args.atol,
             rtol=args.rtol,
             check_buffers="strict" if args.strict_buffers else True,
+            buffers=args.buffers,
             **case,
         )
     except (VerifyError, TypeError, ValueError) as exc:

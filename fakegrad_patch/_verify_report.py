@@ -64,11 +64,12 @@ class ParamReport:
 class BufferReport:
     """Eager vs patched for one named buffer after the last step.
 
-    A buffer updated in place by an op that also has fake inputs (BatchNorm's running statistics,
-    spectral_norm's power iteration) is updated on its fake copy inside FakeTensorMode: the real
-    buffer keeps its old values, patched or not (upstream; in-place ops whose inputs are all real,
-    like ``num_batches_tracked += 1``, run for real). fakegrad_patch covers gradients, so such
-    differences are reported (``matches`` False, with a note) without failing the verdict, unless
+    By default (``buffers="upstream"``) a buffer updated in place by an op that also has fake
+    inputs (BatchNorm's running statistics, spectral_norm's power iteration) is updated on its
+    fake copy inside FakeTensorMode: the real buffer keeps its old values, patched or not
+    (upstream; in-place ops whose inputs are all real, like ``num_batches_tracked += 1``, run for
+    real). Such differences are reported (``matches`` False, with a note naming
+    ``buffers="write_back"``, which writes them back) without failing the verdict, unless
     ``verify(..., check_buffers="strict")``. A later step that reads such a buffer (BatchNorm in
     eval mode, spectral_norm) computes different gradients, and those do fail it.
     """
@@ -100,6 +101,8 @@ class VerifyReport:
     buffers: list[BufferReport]
     losses: list[dict[str, float | None]]
     strict_buffers: bool = False
+    #: the patched copy's ``buffers`` setting ("upstream" or "write_back")
+    buffers_mode: str = "upstream"
     #: problems not tied to one parameter (loss differs, internal errors, leaves not in the model)
     general_problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -240,7 +243,12 @@ def _render(r: VerifyReport) -> list[str]:
     ]
     lines += _table(rows, [" "] + ["!" if not p.ok else " " for p in ordered])
     if r.buffers:
-        lines += ["", f"BUFFERS ({len(r.buffers)})" + ("" if r.strict_buffers else " (info)")]
+        lines += [
+            "",
+            f"BUFFERS ({len(r.buffers)})"
+            + ("" if r.strict_buffers else " (info)")
+            + f" buffers={r.buffers_mode}",
+        ]
         brows = [("buffer", "shape", "dtype", "device", "max abs", "")] + [
             (b.name, str(b.shape), b.dtype, b.device, _num(b.max_abs), b.note or "== eager")
             for b in r.buffers

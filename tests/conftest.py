@@ -43,11 +43,13 @@ def patch_state() -> Iterator[None]:
         fakegrad_patch.install()
     previous = _config.current()
     _config.restore(fakegrad_patch.Settings())  # the defaults, nothing explicit
+    fakegrad_patch._settings_changed()
     level = trace.set_level(trace.WARNING)
     try:
         yield
     finally:
         _config.restore(previous)
+        fakegrad_patch._settings_changed()
         trace.set_level(level)
 
 

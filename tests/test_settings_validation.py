@@ -50,6 +50,9 @@ class Cases:
 CASES: dict[str, Cases] = {
     "patch": Cases(("1", " ON ", "off", "0"), ("maybe", "2", "enabled")),
     "on_missing": Cases(("zeros", " ERROR ", "keep"), ("bogus", "ignore"), (3, True, b"drop")),
+    "buffers": Cases(
+        ("write_back", " UPSTREAM ", "write-back"), ("writeback", "copy"), (1, True, b"upstream")
+    ),
     # Every string an environment can hold is a valid path (sink problems are doctor's business).
     "path": Cases(("-", " - "), (), ("a\0b", 3, b"run.jsonl"), ("-", None)),
     "level": Cases(("debug", "INFO", "15"), ("loud", "-1", "1.5"), (True, -1, 1.5)),
@@ -280,7 +283,11 @@ PYTHON_VALID = [
     for entry in row.python
     for value in _python_values(row, "valid")
     # verify takes tolerances and steps as numbers, not strings (strings are for the CLI)
-    if not (entry == "fakegrad_patch.verify" and isinstance(value, str) and row.name != "zero_grad")
+    if not (
+        entry == "fakegrad_patch.verify"
+        and isinstance(value, str)
+        and row.name not in ("zero_grad", "buffers")
+    )
 ]
 
 
@@ -315,6 +322,7 @@ def case():
 
 CLI_DRIVERS: dict[str, str] = {"verify --steps": "--steps", "verify --zero-grad": "--zero-grad"}
 CLI_DRIVERS |= {"verify --atol": "--atol", "verify --rtol": "--rtol"}
+CLI_DRIVERS |= {"verify --buffers": "--buffers"}
 
 CLI_CASES = [
     pytest.param(row, entry, value, id=f"{entry}={value}")

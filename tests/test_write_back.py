@@ -1,0 +1,431 @@
+"""Issue 18.2: ``buffers="write_back"``: in-place updates that a propagating mode applies to real
+op inputs that do not require grad reach the real tensors exactly once, as in eager mode.
+
+Families: the modules that update buffers in place (BatchNorm 1d/2d/3d, channels_last, an
+InstanceNorm that tracks statistics, both spectral_norms); the ways a real tensor reaches the op
+(a module buffer, a view of a flat buffer, a real input, an ``out=`` argument, an op FakeTensorMode
+runs for real, two modes writing one tensor, a frozen Parameter, ``from_tensor``, a parameter);
+tracers (torch.compile, export) that must not write; the switch itself (off by default, unwrapped
+when off, un-aliased when turned off); the trace; threads; version counters. CPU and CUDA.
+
+With the patch uninstalled every write-back test fails (the buffers stay stale):
+tests/test_can_fail.py runs this file that way.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+from _helpers import assert_real_grads_equal, fake_mode, is_real
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fakegrad_patch
+from fakegrad_patch import trace
+
+pytestmark = pytest.mark.usefixtures("propagate")
+
+
+@pytest.fixture
+def write_back() -> Iterator[None]:
+    """The option on (configure: it never installs, so with the patch uninstalled, as
+    tests/test_can_fail.py runs this file, it has no effect; conftest restores the settings)."""
+    fakegrad_patch.configure(buffers="write_back")
+    yield
+
+
+# -- the modules that update buffers in place ------------------------------------------------------
+
+
+def _bn1d() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def _bn2d() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=0.3), nn.ReLU())
+
+
+def _bn2d_channels_last() -> nn.Module:
+    return _bn2d().to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+
+
+def _bn3d() -> nn.Module:
+    return nn.Sequential(nn.Conv3d(2, 3, 1), nn.BatchNorm3d(3))
+
+
+def _instance_norm() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.InstanceNorm2d(4, track_running_stats=True))
+
+
+def _spectral_norm_legacy() -> nn.Module:
+    return nn.Sequential(nn.utils.spectral_norm(nn.Linear(5, 4)), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _spectral_norm() -> nn.Module:
+    return nn.Sequential(
+        nn.utils.parametrizations.spectral_norm(nn.Linear(5, 4)), nn.Tanh(), nn.Linear(4, 2)
+    )
+
+
+MODULES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "batchnorm1d": (_bn1d, (6, 5)),
+    "batchnorm2d": (_bn2d, (2, 3, 6, 6)),
+    "batchnorm2d_channels_last": (_bn2d_channels_last, (2, 3, 6, 6)),
+    "batchnorm3d": (_bn3d, (2, 2, 3, 3, 3)),
+    "instance_norm_tracking": (_instance_norm, (2, 3, 4, 4)),
+    "spectral_norm_legacy": (_spectral_norm_legacy, (3, 5)),
+    "spectral_norm": (_spectral_norm, (3, 5)),
+}
+
+
+def _train(model: nn.Module, x: torch.Tensor, steps: int, fake: bool) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        if fake:
+            with fake_mode():
+                model(x).pow(2).mean().backward()
+        else:
+            model(x).pow(2).mean().backward()
+        opt.step()  # outside the mode, as a training loop does
+
+
+def _pair(name: str, device: torch.device) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    make, shape = MODULES[name]
+    torch.manual_seed(0)
+    model = make().to(device)
+    reference = copy.deepcopy(model)
+    x = torch.randn(shape, device=device)
+    if name == "batchnorm2d_channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    return model, reference, x
+
+
+def _assert_state_equal(model: nn.Module, reference: nn.Module) -> None:
+    for (name, b), r in zip(model.named_buffers(), reference.buffers(), strict=True):
+        assert is_real(b), name
+        assert b.stride() == r.stride(), name
+        assert torch.equal(b, r), f"{name}: {b} != eager {r}"
+    for (name, p), r in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.detach(), r.detach()), name
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_buffers_updated_inside_the_mode_match_eager_bit_for_bit(
+    write_back: None, name: str, device: torch.device
+) -> None:
+    model, reference, x = _pair(name, device)
+    _train(model, x, 2, fake=True)
+    _train(reference, x, 2, fake=False)
+    assert_real_grads_equal(model, reference, atol=0, rtol=0)
+    _assert_state_equal(model, reference)
+
+
+@pytest.mark.parametrize("name", ["batchnorm2d", "spectral_norm"])
+def test_upstream_semantics_stay_the_default(name: str) -> None:
+    """Without the option the real buffers keep their values (BatchNorm's counter, an all-real
+    op, still advances): upstream's semantics, unchanged."""
+    assert fakegrad_patch.settings().buffers == "upstream"
+    model, reference, x = _pair(name, torch.device("cpu"))
+    initial = copy.deepcopy(model)
+    _train(model, x, 1, fake=True)
+    _train(reference, x, 1, fake=False)
+    for (n, b), b0, r in zip(
+        model.named_buffers(), initial.buffers(), reference.buffers(), strict=True
+    ):
+        if n.endswith("num_batches_tracked"):
+            assert torch.equal(b, r), n
+        else:
+            assert torch.equal(b, b0) and not torch.equal(b, r), n
+
+
+def test_eval_mode_reads_the_written_back_statistics(write_back: None) -> None:
+    model, reference, x = _pair("batchnorm2d", torch.device("cpu"))
+    _train(model, x, 2, fake=True)
+    _train(reference, x, 2, fake=False)
+    model.eval()
+    reference.eval()
+    with fake_mode():
+        out = fakegrad_patch.materialize(model(x))
+    assert torch.equal(out, reference(x))
+
+
+# -- the ways a real tensor reaches the op ---------------------------------------------------------
+
+
+def test_a_view_of_a_flat_buffer_is_written_through_to_the_base(
+    write_back: None, device: torch.device
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, device=device, requires_grad=True)
+
+    def run(flat: torch.Tensor) -> None:
+        torch.batch_norm(x, None, None, flat[:3], flat[3:6], True, 0.1, 1e-5, False)
+
+    flat, expected = torch.zeros(6, device=device), torch.zeros(6, device=device)
+    expected[3:] = flat[3:] = 1
+    with fake_mode():
+        run(flat)
+    run(expected)
+    assert torch.equal(flat, expected)
+
+
+def test_a_real_input_updated_in_place_is_updated_as_in_eager(
+    write_back: None, device: torch.device
+) -> None:
+    x = torch.arange(4.0, device=device)
+    with fake_mode() as mode:
+        y = mode.from_tensor(torch.ones(4, device=device))
+        x.mul_(y + 1)
+    assert torch.equal(x, torch.arange(4.0, device=device) * 2)
+
+
+def test_an_out_argument_is_written(write_back: None, device: torch.device) -> None:
+    out = torch.zeros(3, device=device)
+    a = torch.tensor([1.0, 2.0, 3.0], device=device, requires_grad=True)
+    with fake_mode():
+        torch.mul(a.detach() * 2, 3, out=out)
+    assert torch.equal(out, torch.tensor([6.0, 12.0, 18.0], device=device))
+
+
+def test_ops_fakemode_runs_for_real_are_applied_exactly_once(
+    write_back: None, device: torch.device
+) -> None:
+    """All-real arguments: FakeTensorMode runs the op for real, then converts the arguments: an
+    alias would apply it twice."""
+    buf = torch.full((5,), 3.0, device=device)
+    counter = torch.tensor(0, dtype=torch.long, device=device)
+    with fake_mode():
+        buf.mul_(2)
+        counter.add_(1)
+        buf.add_(1)
+    assert torch.equal(buf, torch.full((5,), 7.0, device=device))
+    assert int(counter) == 1
+
+
+def test_a_decomposed_op_updates_once(write_back: None, device: torch.device) -> None:
+    """``native_batch_norm`` runs for real, then its decomposition runs under the mode and would
+    update the running statistics a second time."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, 5, device=device, requires_grad=True)
+    mean, var = torch.zeros(3, device=device), torch.ones(3, device=device)
+    mean_e, var_e = mean.clone(), var.clone()
+    with fake_mode():
+        torch.nn.functional.batch_norm(x, mean, var, training=True, momentum=0.1)
+    torch.nn.functional.batch_norm(x, mean_e, var_e, training=True, momentum=0.1)
+    assert torch.equal(mean, mean_e) and torch.equal(var, var_e)
+
+
+def test_two_modes_writing_one_buffer_apply_both_updates_in_order(write_back: None) -> None:
+    model, reference, x = _pair("batchnorm1d", torch.device("cpu"))
+    modes = [fake_mode(), fake_mode()]
+    for mode in (*modes, modes[0]):
+        with mode:
+            model(x).sum().backward()
+    for _ in range(3):
+        reference(x).sum().backward()
+    _assert_state_equal(model, reference)
+    assert_real_grads_equal(model, reference, atol=0, rtol=0)
+
+
+def test_a_frozen_parameter_updated_as_an_ema_follows_eager(
+    write_back: None, device: torch.device
+) -> None:
+    """A Parameter that does not require grad (an EMA copy of the weights) is written back; on
+    builds with defect D2 its propagated values would otherwise be uninitialised."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).to(device)
+    ema = nn.Parameter(model.weight.detach().clone(), requires_grad=False)
+    ema_e = ema.detach().clone()
+    x = torch.randn(2, 4, device=device)
+    with fake_mode():
+        model(x).sum().backward()
+        with torch.no_grad():
+            ema.mul_(0.9).add_(model.weight * 2, alpha=0.1)
+    ema_e.mul_(0.9).add_(model.weight.detach() * 2, alpha=0.1)
+    assert torch.equal(ema.detach(), ema_e)
+
+
+def test_from_tensor_fakes_are_never_written_back(write_back: None) -> None:
+    """``mode.from_tensor`` is how tracers (and users) make fakes of their own: upstream's
+    semantics, the real tensor is never changed through them."""
+    buf = torch.zeros(3)
+    with fake_mode() as mode:
+        fake = mode.from_tensor(buf)
+        fake.add_(1)
+    assert torch.equal(buf, torch.zeros(3))
+
+
+def test_a_parameter_updated_in_place_inside_the_mode_is_reported_not_written(
+    write_back: None,
+) -> None:
+    param = nn.Parameter(torch.ones(3))
+    fakegrad_patch.name_parameters(nn.ParameterList([param]))
+    with fake_mode() as mode, trace.capture(trace.WARNING) as events:
+        delta = mode.from_tensor(torch.ones(3))
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            param.add_(delta)
+    assert torch.equal(param.detach(), torch.ones(3))
+    assert [e["event"] for e in events] == ["buffer_not_written_back"]
+    assert "requires grad" in events[0]["reason"]
+    assert any("step optimizers outside the mode" in str(w.message).lower() for w in caught)
+
+
+# -- tracers never write ---------------------------------------------------------------------------
+
+
+def test_torch_compile_of_a_training_batchnorm_updates_once(write_back: None) -> None:
+    """Dynamo fakifies with ``from_tensor`` into a mode with a ShapeEnv (propagating here): it
+    must never write the real buffers while tracing; the compiled code updates them once."""
+    torch._dynamo.reset()
+    model, reference, x = _pair("batchnorm2d", torch.device("cpu"))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), reference(x), atol=0, rtol=0)
+    _assert_state_equal(model, reference)
+    torch._dynamo.reset()
+
+
+def test_export_never_writes_the_real_buffers(write_back: None) -> None:
+    model, _, x = _pair("batchnorm2d", torch.device("cpu"))
+    before = copy.deepcopy(model)
+    torch.export.export(model, (x,))
+    _assert_state_equal(model, before)
+
+
+# -- the switch ------------------------------------------------------------------------------------
+
+
+def _dispatch_is_wrapped() -> bool:
+    # upstream's dispatch is a plain function (no ``__wrapped__``): a wrapt wrapper has one
+    return hasattr(FakeTensorMode.__dict__["dispatch"], "__wrapped__")
+
+
+def test_dispatch_is_wrapped_only_while_write_back_is_on() -> None:
+    assert not _dispatch_is_wrapped()
+    assert fakegrad_patch.status()["write_back"] is False
+    with fakegrad_patch.patched(buffers="write_back"):
+        assert _dispatch_is_wrapped()
+        assert fakegrad_patch.status()["write_back"] is True
+    assert not _dispatch_is_wrapped()
+    previous = fakegrad_patch.configure(buffers="write_back")
+    try:
+        assert previous.buffers == "upstream" and _dispatch_is_wrapped()
+    finally:
+        fakegrad_patch.configure(buffers="upstream")
+    assert not _dispatch_is_wrapped()
+
+
+def test_turning_write_back_off_gives_live_fakes_their_own_copy_again() -> None:
+    model, _, x = _pair("batchnorm1d", torch.device("cpu"))
+    mode = fake_mode()
+    with fakegrad_patch.patched(buffers="write_back"), mode:
+        model(x)
+    after_first = copy.deepcopy(model)
+    with mode:  # the same mode (its converter memo holds the aliased fakes)
+        model(x)
+    bn: Any = model.get_submodule("1")
+    bn_first: Any = after_first.get_submodule("1")
+    assert torch.equal(bn.running_mean, bn_first.running_mean)
+    assert torch.equal(bn.running_var, bn_first.running_var)
+    assert int(bn.num_batches_tracked) == 2  # an all-real op: upstream runs it for real
+
+
+def test_uninstall_turns_write_back_off() -> None:
+    fakegrad_patch.configure(buffers="write_back")
+    try:
+        assert _dispatch_is_wrapped()
+        fakegrad_patch.uninstall()
+        assert not _dispatch_is_wrapped()
+        fakegrad_patch.install()
+        assert _dispatch_is_wrapped()
+    finally:
+        fakegrad_patch.configure(buffers="upstream")
+
+
+# -- the trace, threads, versions ------------------------------------------------------------------
+
+
+def test_every_write_back_is_traced_with_its_bytes(write_back: None) -> None:
+    model, _, x = _pair("batchnorm2d", torch.device("cpu"))
+    fakegrad_patch.name_parameters(model)
+    with trace.capture(trace.INFO) as events:
+        _train(model, x, 2, fake=True)
+    written = [e for e in events if e["event"] == "buffer_written_back"]
+    assert sorted((e["name"], e["bytes"], e["via"]) for e in written) == sorted(
+        (f"1.{s}", 16, "op") for s in ("running_mean", "running_var") for _ in range(2)
+    )
+
+
+def test_threads_each_with_their_own_mode_and_model(write_back: None) -> None:
+    pairs = [_pair("batchnorm1d", torch.device("cpu")) for _ in range(4)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(pairs))
+
+    def work(model: nn.Module, x: torch.Tensor) -> None:
+        try:
+            barrier.wait()
+            with functorch_config.patch(fake_tensor_propagate_real_tensors=True):  # per thread
+                _train(model, x, 3, fake=True)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(m, x)) for m, _, x in pairs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for model, reference, x in pairs:
+        _train(reference, x, 3, fake=False)
+        _assert_state_equal(model, reference)
+
+
+def _version_after(fake: bool, op: Callable[[torch.Tensor, Any], None]) -> int:
+    buf = torch.zeros(3)
+    other = torch.ones(3)
+    if fake:
+        with fake_mode() as mode:
+            op(buf, mode.from_tensor(other))
+    else:
+        op(buf, other)
+    return buf._version
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        pytest.param(lambda b, o: b.add_(o), id="add_"),
+        pytest.param(lambda b, o: b.add_(o).mul_(o), id="add_mul_"),
+        pytest.param(lambda b, o: torch.add(o, 1, out=b), id="out"),
+    ],
+)
+def test_versions_move_as_in_eager(write_back: None, op: Callable[..., None]) -> None:
+    """The real run of the op on the alias bumps the real tensor's version, as eager does (other
+    converters' stale-copy re-sync and autograd's saved-tensor checks read it)."""
+    assert _version_after(True, op) == _version_after(False, op)
+
+
+def test_verify_reports_buffers_equal_with_the_option_and_names_it_without() -> None:
+    make, shape = MODULES["batchnorm2d"]
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(shape)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    report = fakegrad_patch.verify(
+        model, x, steps=2, optimizer=sgd, check_buffers="strict", buffers="write_back"
+    )
+    assert report.ok, report.format()
+    assert all(b.matches for b in report.buffers) and report.buffers_mode == "write_back"
+    assert any("written back" in n for n in report.notes)
+    default = fakegrad_patch.verify(model, x, steps=2, optimizer=sgd)
+    assert not all(b.matches for b in default.buffers)
+    assert any('buffers="write_back"' in n for n in default.notes), default.notes
+    assert 'buffers="write_back"' in default.format()
