@@ -65,6 +65,16 @@ KNOWN_EVENTS = frozenset(
         "grad_copy_repaired",
         "mirrored",
         "materialized",
+        # issue 19: a mode converted Parameters unseen (D2 builds); issue 20: DDP
+        "mode_untrusted",
+        "ddp_mode_seen",
+        "ddp_skipped",
+        # issue 18: buffers="write_back"
+        "write_back_enabled",
+        "write_back_disabled",
+        "write_back_unavailable",
+        "buffer_written_back",
+        "buffer_not_written_back",
     }
 )
 ACTIONS = ("set", "accumulate", "drop", "error", "keep")
@@ -178,6 +188,10 @@ class Process:
     defects: dict[str, Any] = field(default_factory=dict)
     d2_repairs: int = 0
     grad_copy_repairs: int = 0
+    #: buffers="write_back": real tensors written back, their bytes, and those not written
+    buffers_written: int = 0
+    buffer_bytes: int = 0
+    buffers_not_written: int = 0
     mirrored: int = 0
     materialize_calls: int = 0
     #: materialize() results without real values, by policy: (dropped, kept, missing) summed
@@ -196,6 +210,9 @@ class Process:
             "defects": self.defects,
             "d2_repairs": self.d2_repairs,
             "grad_copy_repairs": self.grad_copy_repairs,
+            "buffers_written": self.buffers_written,
+            "buffer_bytes": self.buffer_bytes,
+            "buffers_not_written": self.buffers_not_written,
             "mirrored": self.mirrored,
             "materialize_calls": self.materialize_calls,
             "materialize_missing": dict(self.materialize_missing),
@@ -310,6 +327,13 @@ class Summary:
             proc.d2_repairs += 1
         elif event == "grad_copy_repaired":
             proc.grad_copy_repairs += 1
+        elif event == "buffer_written_back":
+            proc.buffers_written += 1
+            nbytes = record.get("bytes")
+            if type(nbytes) is int and nbytes > 0:
+                proc.buffer_bytes += nbytes
+        elif event == "buffer_not_written_back":
+            proc.buffers_not_written += 1
         elif event == "mirrored":
             proc.mirrored += 1
         elif event == "materialized":
@@ -619,6 +643,9 @@ def render_text(summary: Summary, out: TextIO) -> None:
             f"{label}: {n}"
             for label, n in (
                 ("grad-copy repairs", proc.grad_copy_repairs),
+                ("buffers written back", proc.buffers_written),
+                ("bytes written back", proc.buffer_bytes),
+                ("buffers NOT written back", proc.buffers_not_written),
                 ("mirrored", proc.mirrored),
                 ("materialize() calls", proc.materialize_calls),
             )

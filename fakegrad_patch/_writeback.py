@@ -225,25 +225,21 @@ class WriteBack:
                 if real is None:
                     frame.real_ok = False
                     continue
-                ptr = real.untyped_storage().data_ptr()
-                if self._storages and self._owner(ptr) is not None:
+                ptr = _storage(real)
+                if ptr is not None and self._storages and self._owner(ptr) is not None:
                     frame.aliased[ptr] = real
-            elif t.layout == torch.strided:
-                ptr = t.untyped_storage().data_ptr()
             else:
-                continue
-            frame.arguments.add(ptr)
+                ptr = _storage(t)
+            if ptr is not None:
+                frame.arguments.add(ptr)
         for t in _written_tensors(written, op_args, op_kwargs):
             if self._is_fake(t):
-                real = t.real_tensor
-                ptr = None if real is None else real.untyped_storage().data_ptr()
+                ptr = _storage(t.real_tensor)
             elif t.requires_grad:
                 self._parameter_written(t)
                 ptr = None
-            elif t.layout == torch.strided and t.device.type != "meta":
-                ptr = t.untyped_storage().data_ptr()
             else:
-                ptr = None
+                ptr = _storage(t)
             if ptr is not None:
                 frame.written.add(ptr)
 
@@ -259,10 +255,8 @@ class WriteBack:
             if not self._is_fake(t):
                 continue
             real = t.real_tensor
-            if real is None:
-                continue
-            ptr = real.untyped_storage().data_ptr()
-            if ptr not in frame.arguments:
+            ptr = _storage(real)
+            if ptr is None or ptr not in frame.arguments:
                 continue
             if ptr in frame.aliased:
                 frame.written.add(ptr)
@@ -338,16 +332,14 @@ class WriteBack:
         if frame.mode is not mode or frame.depth != 0:
             return False
         real = fake.real_tensor
-        if real is None:
+        ptr = _storage(t)
+        if ptr is None or real is None or real.layout != torch.strided:
             return False
-        ptr = t.untyped_storage().data_ptr()
         if real.untyped_storage().data_ptr() == ptr:
             self._noted(frame, ptr, t)
             return True  # aliased before (the converter's memo returned the same fake)
         if (
-            t.layout != torch.strided
-            or t.device.type == "meta"
-            or type(t) not in (torch.Tensor, torch.nn.Parameter)
+            type(t) not in (torch.Tensor, torch.nn.Parameter)
             or real.dtype != t.dtype
             or real.shape != t.shape
             or real.stride() != t.stride()
@@ -403,6 +395,13 @@ def _op_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, A
     op_args = args[2] if len(args) > 2 else kwargs.get("args", ())
     op_kwargs = args[3] if len(args) > 3 else kwargs.get("kwargs")
     return op_args, op_kwargs or {}
+
+
+def _storage(t: Any) -> int | None:
+    """The data pointer of a real strided tensor's storage (None: no tensor, not strided, meta)."""
+    if t is None or t.layout != torch.strided or t.device.type == "meta":
+        return None
+    return int(t.untyped_storage().data_ptr())
 
 
 def _tensor_arguments(op_args: Any, op_kwargs: Any) -> list[Any]:

@@ -2,9 +2,10 @@
 
 Each factory takes a device and returns the dict the ``verify`` command accepts (``model``,
 ``inputs`` and optionally ``loss_fn``, ``optimizer``, ``steps``). The families: plain MLP, conv
-net with BatchNorm in channels_last, a tiny transformer block (LayerNorm, attention, dropout, tied
-embeddings), an RNN cell unrolled in a Python loop, and parametrizations (weight_norm, orthogonal,
-a custom one, spectral_norm), and a sparse embedding. Also usable from the command line:
+net with BatchNorm in channels_last, a residual net with BatchNorm everywhere, a tiny
+transformer block (LayerNorm, attention, dropout, tied embeddings), an RNN cell unrolled in a
+Python loop, and parametrizations (weight_norm, orthogonal, a custom one, spectral_norm), and a
+sparse embedding. Also usable from the command line:
 ``python -m fakegrad_patch verify tests/_zoo.py:mlp``.
 """
 
@@ -70,6 +71,46 @@ def conv_bn_channels_last(device: str = "cpu") -> Case:
         "loss_fn": lambda out: F.cross_entropy(out, y),
         "optimizer": _sgd(),
         "steps": 2,
+    }
+
+
+class BatchNormResNet(nn.Module):
+    """A stem and one residual block with BatchNorm2d, then a head with a BatchNorm1d without
+    affine parameters: every buffer of the model is a running statistic (or its counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))
+        self.block = nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8, momentum=0.2),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+        )
+        self.head = nn.Sequential(
+            nn.Linear(8, 6), nn.BatchNorm1d(6, affine=False), nn.ReLU(), nn.Linear(6, 3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.stem(x))
+        x = F.relu(x + self.block(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def batchnorm_resnet(device: str = "cpu") -> Case:
+    """BatchNorm everywhere, three SGD steps: with ``buffers="write_back"`` the running
+    statistics must end equal to eager's too."""
+    torch.manual_seed(0)
+    model = BatchNormResNet().to(device)
+    x = torch.randn(4, 3, 8, 8, device=device)
+    y = torch.randint(0, 3, (4,), device=device)
+    return {
+        "model": model,
+        "inputs": (x,),
+        "loss_fn": lambda out: F.cross_entropy(out, y),
+        "optimizer": _sgd(),
+        "steps": 3,
     }
 
 
@@ -206,6 +247,7 @@ def sparse_embedding(device: str = "cpu") -> Case:
 ZOO: dict[str, Callable[[str], Case]] = {
     "mlp": mlp,
     "conv_bn_channels_last": conv_bn_channels_last,
+    "batchnorm_resnet": batchnorm_resnet,
     "tiny_transformer": tiny_transformer,
     "rnn_cell_loop": rnn_cell_loop,
     "weight_norm": weight_norm_model,

@@ -62,6 +62,10 @@ SCHEMA: dict[str, tuple[str, set[str]]] = {
     "fake_grad_keep": ("info", GRAD_KEYS),
     "internal_error": ("error", ENVELOPE | {"where", "error"}),
     "trace_sink_failed": ("error", ENVELOPE | {"path", "error"}),
+    "buffer_written_back": ("info", ENVELOPE | LEAF_KEYS | {"bytes", "via"}),
+    "buffer_not_written_back": ("warning", ENVELOPE | LEAF_KEYS | {"reason"}),
+    "write_back_enabled": ("info", ENVELOPE),
+    "write_back_disabled": ("info", ENVELOPE | {"unaliased"}),
 }
 
 

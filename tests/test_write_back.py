@@ -429,3 +429,26 @@ def test_verify_reports_buffers_equal_with_the_option_and_names_it_without() -> 
     assert not all(b.matches for b in default.buffers)
     assert any('buffers="write_back"' in n for n in default.notes), default.notes
     assert 'buffers="write_back"' in default.format()
+
+
+def test_write_back_events_follow_the_documented_schema() -> None:
+    from test_trace import check_schema
+
+    model, _, x = _pair("batchnorm1d", torch.device("cpu"))
+    param = nn.Parameter(torch.ones(2))
+    with trace.capture(trace.DEBUG) as events, fakegrad_patch.patched(buffers="write_back"):
+        _train(model, x, 1, fake=True)
+        with fake_mode() as mode, torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            param.add_(mode.from_tensor(torch.ones(2)))
+    kinds = {e["event"] for e in events}
+    wanted = {
+        "write_back_enabled",
+        "buffer_written_back",
+        "buffer_not_written_back",
+        "write_back_disabled",
+    }
+    assert wanted <= kinds, kinds
+    for event in events:
+        if event["event"] in wanted:
+            check_schema(event)
