@@ -217,6 +217,7 @@ class _Applied:
             _arming,
             _fakeleaves,
             _leaves,
+            _mismatch,
             _probes,
             _targets,
             _values,
@@ -258,6 +259,13 @@ class _Applied:
 
         self._ddp = _ddp
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
+        self._mismatch_wrapper: Any = None
+        self._mismatch = _mismatch.Mismatch(self)
+        error_cls = _targets._resolve_optional(_targets.METADATA_MISMATCH_ERROR)
+        if isinstance(error_cls, type) and "__init__" in error_cls.__dict__:
+            self._mismatch_cls = error_cls
+            wrapt.wrap_function_wrapper(error_cls, "__init__", self._mismatch.init)
+            self._mismatch_wrapper = error_cls.__dict__["__init__"]
         self.apply_settings()
         if not _state.dynamo_skip:
             _state.dynamo_skip = True
@@ -395,6 +403,9 @@ class _Applied:
             self.internal_error("uninstall", exc)
         self._unwrap(self._cls, _ATTR, self._wrapper, self._original, self._had_own_attr)
         self._unwrap(self._autograd, "backward", self._backward_wrapper, None, True)
+        self._mismatch.active = False
+        if self._mismatch_wrapper is not None:
+            self._unwrap(self._mismatch_cls, "__init__", self._mismatch_wrapper, None, True)
         try:
             leaves = _recorded_leaves(_values.records(), self.resolved)
             if leaves and self.ready():

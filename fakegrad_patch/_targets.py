@@ -257,6 +257,19 @@ FAKE_MODE_DISPATCH = Target(
     "optional: buffers='write_back' (the outermost op of a mode)",
 )
 
+#: WRAPPED, OPTIONAL. ``MetadataMismatchError`` (a dataclass ``RuntimeError`` with ``reason``):
+#: raised by ``FakeTensorMode._maybe_infer_fake`` when real-value propagation finds an op's fake
+#: output metadata different from the real kernel's ("Real tensor propagation found a metadata
+#: mismatch ... at output<path>, for func: <op>", raised from the inner comparison error). Its
+#: ``__init__`` is wrapped (fakegrad_patch/_mismatch.py: nothing runs unless one is made) to
+#: trace ``propagation_mismatch`` and add a note naming the known CPU-autocast norm defect
+#: (issue 18.3). Same name and message on 2.13.0 and 2.14.1. Absent: no trace event, no note.
+METADATA_MISMATCH_ERROR = Target(
+    FAKE_TENSOR_MODULE,
+    "MetadataMismatchError",
+    "optional: say plainly when propagation refuses a fake kernel",
+)
+
 ALL_TARGETS: tuple[Target, ...] = (
     FROM_REAL_TENSOR,
     FAKE_TENSOR,
@@ -275,6 +288,7 @@ ALL_TARGETS: tuple[Target, ...] = (
     GRAPH_TASK_ID,
     FUNCTORCH_STACK,
     FAKE_MODE_DISPATCH,
+    METADATA_MISMATCH_ERROR,
 )
 
 #: Targets whose absence degrades a detail instead of blocking the patch.
@@ -287,6 +301,7 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
         SHOULD_ALLOW_NUMBERS,
         FUNCTORCH_STACK,
         FAKE_MODE_DISPATCH,
+        METADATA_MISMATCH_ERROR,
     }
 )
 

@@ -75,6 +75,7 @@ KNOWN_EVENTS = frozenset(
         "write_back_unavailable",
         "buffer_written_back",
         "buffer_not_written_back",
+        "propagation_mismatch",
     }
 )
 ACTIONS = ("set", "accumulate", "drop", "error", "keep")

@@ -287,6 +287,17 @@ class _Run:
                 loss.backward()
                 real = fakegrad_patch.materialize(loss.detach(), on_missing="drop")
         except Exception as exc:
+            from ._mismatch import describe
+
+            info = describe(exc)
+            if info is not None:
+                raise VerifyError(
+                    f"verify: the model ran eagerly but failed under FakeTensorMode("
+                    f"allow_non_fake_inputs=True) with real-value propagation at step {step}: "
+                    f"the fake kernel of {info['op']} disagrees with the real kernel at output"
+                    f"{info['output'] or ''} ({info['cause']}). "
+                    + _sentence(info["hint"].removeprefix("fakegrad_patch: "))
+                ) from exc
             raise VerifyError(
                 f"verify: the model ran eagerly but failed under FakeTensorMode("
                 f"allow_non_fake_inputs=True) with real-value propagation at step {step}: "
@@ -527,6 +538,10 @@ class _Run:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _refuse_meta(model: torch.nn.Module) -> None:

@@ -66,6 +66,7 @@ SCHEMA: dict[str, tuple[str, set[str]]] = {
     "buffer_not_written_back": ("warning", ENVELOPE | LEAF_KEYS | {"reason"}),
     "write_back_enabled": ("info", ENVELOPE),
     "write_back_disabled": ("info", ENVELOPE | {"unaliased"}),
+    "propagation_mismatch": ("warning", ENVELOPE | {"op", "output", "cause", "known"}),
 }
 
 
