@@ -233,6 +233,8 @@ def environment() -> dict[str, dict[str, Any]]:
             entry["error"] = sink_problem(text)
         elif row.env == _config.ENV_ON_MISSING:
             entry["parsed"] = entry["parsed"] or _config.DEFAULT_ON_MISSING
+        elif row.env == _config.ENV_BUFFERS:
+            entry["parsed"] = entry["parsed"] or _config.DEFAULT_BUFFERS
         env[row.env] = entry
     return env
 
@@ -292,6 +294,15 @@ def torch_checks() -> dict[str, Any]:
     except Exception as exc:
         result["defects_error"] = f"{type(exc).__name__}: {exc}"
     result["status"] = fakegrad_patch.status()
+    settings = _config.current()
+    result["options"] = {
+        "on_missing": settings.on_missing,
+        "on_missing_explicit": settings.on_missing_explicit,
+        "buffers": settings.buffers,
+        "buffers_values": list(_config.BUFFERS_VALUES),
+        "write_back_available": _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH)
+        is not None,
+    }
     result["checked_on"] = list(_targets.CHECKED_ON)
     result["known_limits"] = list(KNOWN_LIMITS)
     return result
@@ -299,9 +310,15 @@ def torch_checks() -> dict[str, Any]:
 
 #: Upstream behaviours the patch does not change (docs/compatibility.md, "Known limits").
 KNOWN_LIMITS = (
-    "real buffers updated in place inside the mode stay unchanged (upstream: fake computations "
-    "never mutate real inputs): BatchNorm running_mean/running_var, spectral_norm's _u/_v power "
-    "iteration (its gradients drift from the 2nd step on); see docs/compatibility.md",
+    "by default (buffers='upstream') real buffers updated in place inside the mode stay "
+    "unchanged (upstream: fake computations never mutate real inputs): BatchNorm "
+    "running_mean/running_var, spectral_norm's _u/_v power iteration (its gradients drift from "
+    "the first steps on); buffers='write_back' (configure, FAKEGRAD_BUFFERS) writes them back; "
+    "see docs/configuration.md",
+    "CPU autocast with BatchNorm/LayerNorm/GroupNorm raises upstream's MetadataMismatchError "
+    "under real-value propagation (fake kernel statistics in the input dtype, CPU kernel in "
+    "float32); traced as propagation_mismatch; workaround: the norm in float32; see "
+    "docs/troubleshooting.md",
 )
 
 
@@ -478,6 +495,15 @@ def render(report: dict[str, Any]) -> str:
                 )
         elif checks.get("defects_error"):
             out.append(f"upstream defects: probes could not run: {checks['defects_error']}")
+        options = checks.get("options")
+        if options:
+            explicit = "" if options["on_missing_explicit"] else " (default)"
+            available = "available" if options["write_back_available"] else "NOT available"
+            out.append(
+                f"options: on_missing={options['on_missing']}{explicit}; "
+                f"buffers={options['buffers']} (one of {', '.join(options['buffers_values'])}; "
+                f"write_back {available} on this build)"
+            )
         if checks.get("known_limits"):
             out.append("known limits (not changed by the patch):")
             out += [f"  - {limit}" for limit in checks["known_limits"]]

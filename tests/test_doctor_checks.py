@@ -280,6 +280,21 @@ def test_doctor_lists_the_known_limits() -> None:
     assert report["checks"]["known_limits"]
 
 
+def test_doctor_lists_the_buffers_option_and_whether_write_back_is_available() -> None:
+    import fakegrad_patch
+
+    rendered = _doctor.render(_doctor.collect())
+    assert "buffers=upstream (one of upstream, write_back; write_back available" in rendered
+    assert "FAKEGRAD_BUFFERS=unset -> upstream" in rendered
+    assert "CPU autocast" in rendered
+    fakegrad_patch.configure(buffers="write_back")  # conftest restores the settings
+    report = _doctor.collect()
+    assert report["checks"]["options"]["buffers"] == "write_back"
+    assert report["checks"]["options"]["write_back_available"] is True
+    assert report["checks"]["status"]["write_back"] is True
+    assert "buffers=write_back" in _doctor.render(report)
+
+
 def test_doctor_says_when_upstream_is_fixed(monkeypatch: pytest.MonkeyPatch) -> None:
     from fakegrad_patch import _probes
 

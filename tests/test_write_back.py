@@ -16,6 +16,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -452,3 +457,28 @@ def test_write_back_events_follow_the_documented_schema() -> None:
     for event in events:
         if event["event"] in wanted:
             check_schema(event)
+
+
+def test_the_environment_variable_turns_it_on_at_import() -> None:
+    code = textwrap.dedent(
+        """
+        import json, torch, fakegrad_patch
+        import torch._functorch.config as config
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        bn = torch.nn.BatchNorm1d(3)
+        x = torch.randn(4, 3, requires_grad=True)
+        with config.patch(fake_tensor_propagate_real_tensors=True):
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                bn(x)
+        print(json.dumps([fakegrad_patch.settings().buffers, fakegrad_patch.status()["write_back"],
+                          bool(bn.running_mean.abs().sum() > 0)]))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")}
+    env["FAKEGRAD_BUFFERS"] = "write_back"
+    env["PYTHONWARNINGS"] = "ignore"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == ["write_back", True, True]
