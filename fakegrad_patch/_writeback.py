@@ -58,13 +58,19 @@ class _Frame:
         "depth",
         "mode",
         "nested",
+        "op",
         "real_ok",
+        "scanned",
         "swaps",
         "written",
     )
 
-    def __init__(self, mode: Any) -> None:
+    def __init__(self, mode: Any, op: tuple[Any, Any]) -> None:
         self.mode = mode
+        #: the op's (args, kwargs)
+        self.op = op
+        #: whether :meth:`WriteBack._scan` ran (only when the op or a nested op writes)
+        self.scanned = False
         #: nesting below the outermost op (0: the outermost op itself)
         self.depth = 0
         #: storage data pointer -> the real tensor over it, for every argument of the op whose
@@ -179,8 +185,9 @@ class WriteBack:
             self._applied.internal_error("write_back", exc)
             return wrapped(*args, **kwargs)
         if frame is None:
-            frame = _Frame(mode)
-            self._guarded(self._enter, frame, written, op_args, op_kwargs)
+            frame = _Frame(mode, (op_args, op_kwargs))
+            if written:
+                self._guarded(self._enter, frame, written)
             stack.append(frame)
             try:
                 return wrapped(*args, **kwargs)
@@ -190,7 +197,7 @@ class WriteBack:
                     self._guarded(self._finish, frame)
         frame.depth += 1
         try:
-            if written and frame.arguments:
+            if written:
                 self._guarded(self._shadow, frame, written, op_args, op_kwargs)
             return wrapped(*args, **kwargs)
         finally:
@@ -214,12 +221,12 @@ class WriteBack:
             written = self._written[func] = tuple(found) or _NO_WRITES
         return written
 
-    def _enter(self, frame: _Frame, written: Any, op_args: Any, op_kwargs: Any) -> None:
-        """The outermost op begins: will it run for real, where are its arguments' values,
-        which of its fake arguments alias real tensors already (real ones are noted when
-        converted), which arguments its schema writes (a parameter written in place is
-        reported)."""
-        for t in _tensor_arguments(op_args, op_kwargs):
+    def _scan(self, frame: _Frame) -> None:
+        """The outermost op's arguments (once, when the op or a nested op writes): will it run
+        for real, where are its arguments' values, which fake arguments alias real tensors
+        already (real ones are noted when converted)."""
+        frame.scanned = True
+        for t in _tensor_arguments(*frame.op):
             if self._is_fake(t):
                 real = t.real_tensor
                 if real is None:
@@ -232,7 +239,11 @@ class WriteBack:
                 ptr = _storage(t)
             if ptr is not None:
                 frame.arguments.add(ptr)
-        for t in _written_tensors(written, op_args, op_kwargs):
+
+    def _enter(self, frame: _Frame, written: Any) -> None:
+        """The outermost op's schema writes arguments: note them (a parameter is reported)."""
+        self._scan(frame)
+        for t in _written_tensors(written, *frame.op):
             if self._is_fake(t):
                 ptr = _storage(t.real_tensor)
             elif t.requires_grad:
@@ -250,6 +261,10 @@ class WriteBack:
         (``native_batch_norm``'s running statistics: twice). Then the nested op gets a shadow
         copy until the outer op returns. When the outer op did not run for real, the nested op
         is the only one that updates: it writes the alias directly, once."""
+        if not frame.scanned:
+            self._scan(frame)
+        if not frame.arguments:
+            return
         no_dispatch = self._r.no_dispatch
         for t in _written_tensors(written, op_args, op_kwargs):
             if not self._is_fake(t):
@@ -335,7 +350,7 @@ class WriteBack:
         ptr = _storage(t)
         if ptr is None or real is None or real.layout != torch.strided:
             return False
-        if real.untyped_storage().data_ptr() == ptr:
+        if _storage(real) == ptr:
             self._noted(frame, ptr, t)
             return True  # aliased before (the converter's memo returned the same fake)
         if (
@@ -355,7 +370,7 @@ class WriteBack:
                 root_real = getattr(fake_root, "real_tensor", None)
                 if (
                     root_real is not None
-                    and root_real.untyped_storage().data_ptr() != ptr
+                    and _storage(root_real) != ptr
                     and root_real.shape == root.shape
                     and root_real.stride() == root.stride()
                     and root_real.storage_offset() == root.storage_offset()
@@ -385,7 +400,7 @@ class WriteBack:
     def _owner(self, ptr: int) -> Any:
         ref = self._storages.get(ptr)
         owner = None if ref is None else ref()
-        if owner is None or owner.untyped_storage().data_ptr() != ptr:
+        if owner is None or _storage(owner) != ptr:
             return None
         return owner
 
@@ -398,10 +413,11 @@ def _op_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, A
 
 
 def _storage(t: Any) -> int | None:
-    """The data pointer of a real strided tensor's storage (None: no tensor, not strided, meta)."""
+    """The data pointer of a real strided tensor's storage (None: no tensor, not strided, meta):
+    computed from the tensor's own pointer (``untyped_storage()`` costs microseconds)."""
     if t is None or t.layout != torch.strided or t.device.type == "meta":
         return None
-    return int(t.untyped_storage().data_ptr())
+    return int(t.data_ptr() - t.storage_offset() * t.element_size())
 
 
 def _tensor_arguments(op_args: Any, op_kwargs: Any) -> list[Any]:

@@ -31,6 +31,7 @@ MUST_RUN = {
     "test_p12_set_path_hook_time": "P12",
     "test_p13_trace_end_to_end": "P13",
     "test_p14_scaling": "P14",
+    "test_p15_write_back": "P15",
 }
 #: may skip, but only for these reasons (benchmarks/test_compile.py ``unsupported``)
 COMPILE = {"test_p9_compile_first_step": "P9", "test_p10_compiled_steady_steps": "P10"}

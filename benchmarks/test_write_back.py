@@ -1,0 +1,71 @@
+"""P15: ``buffers="write_back"`` (issue 18.2), a propagated fake training step of a BatchNorm
+CNN with the option vs without (patch installed in both; the only difference is the option).
+
+With the option ``FakeTensorMode.dispatch`` is wrapped: every op of every fake mode pays the
+wrapper (the outermost op's arguments are scanned, nested ops that write get a shadow copy), and
+the buffers are written back. No goal was set by the issue (it is opt-in); the ratio is reported.
+Also P15-tracer: a fake forward in a mode *without* propagation (what tracers run) with the
+option on vs off: the wrapper's cost where it stands aside at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fakegrad_patch
+from benchmarks import _support
+
+
+def _bn_cnn(device: str) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        torch.nn.BatchNorm2d(32),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32, 10),
+        torch.nn.BatchNorm1d(10),
+    ).to(device)
+
+
+def _case(device: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    return _support.cached(
+        ("P15", device), lambda: (_bn_cnn(device), _support.batch((16, 3, 16, 16), device)[0])
+    )
+
+
+@pytest.mark.paired("upstream", "write_back")
+@pytest.mark.parametrize("propagate", [True, False], ids=["propagate", "plain"])
+def test_p15_write_back(benchmark, device: str, propagate: bool, slot: _support.Slot) -> None:
+    model, x = _case(device)
+    _support.use_patch(True)
+    fakegrad_patch.configure(buffers=slot.variant)
+
+    def step() -> None:
+        with _support.fake_mode(propagate=propagate):
+            out = model(x).square().mean()
+            if propagate:
+                out.backward()
+
+    try:
+        _support.record(
+            benchmark,
+            slot,
+            case="P15",
+            device=device,
+            detail="fake fwd+bwd bn-cnn propagate"
+            if propagate
+            else "fake fwd bn-cnn plain (tracer-like)",
+            goal=None,
+            target=step,
+            setup=lambda: model.zero_grad(set_to_none=True),
+            rounds=6,
+        )
+        assert fakegrad_patch.status()["write_back"] is (slot.variant == "write_back")
+    finally:
+        fakegrad_patch.configure(buffers="upstream")
