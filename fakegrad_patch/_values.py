@@ -170,7 +170,7 @@ class Values:
                 self._applied.arming.arm_retained(t)
         elif _leaves.has_managed_grads() and _leaves.managed_grad(t):
             self._alias_grad(fake, t)
-        elif op_input and self._write_back.enabled and self._write_back.on_convert(mode, t, fake):
+        elif self._write_back.enabled and self._write_back.convert(mode, t, fake, op_input):
             self._note_alias(conv, t, fake)
         else:
             self._sync(conv, fake, t)

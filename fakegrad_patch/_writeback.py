@@ -102,6 +102,8 @@ class WriteBack:
         self._written: dict[Any, tuple[tuple[int, str], ...]] = {}
         #: fake -> the real tensor its propagated values alias
         self._aliases: WeakIdTable[Any] = WeakIdTable()
+        #: fakes made (or returned) by ``from_tensor``: never aliased
+        self._refused: WeakIdTable[bool] = WeakIdTable()
         #: aliased storage data pointer -> weak reference to the real tensor that owns it
         self._storages: dict[int, Any] = {}
         self.enabled = False
@@ -335,6 +337,20 @@ class WriteBack:
         )
 
     # -- conversions (called by _values for op inputs of a propagating mode) --------------------
+
+    def convert(self, mode: Any, t: Any, fake: Any, op_input: bool) -> bool:
+        """A real tensor that does not require grad was converted by a propagating mode: as an
+        op input, maybe alias it (:meth:`on_convert`); by ``from_tensor`` (a fake the caller
+        holds and may update in place, expecting upstream's semantics), never alias that fake,
+        now or later (the converter's memo returns it for later op inputs too)."""
+        if op_input:
+            return fake not in self._refused and self.on_convert(mode, t, fake)
+        self._refused.set(fake, True)
+        real = self._aliases.pop(fake)
+        if real is not None and getattr(fake, "real_tensor", None) is real:
+            with self._r.no_dispatch(), torch.no_grad():
+                fake.real_tensor = _private_copy(real)
+        return False
 
     def on_convert(self, mode: Any, t: Any, fake: Any) -> bool:
         """``t`` (real, does not require grad) was just converted as an op input: alias the

@@ -269,6 +269,25 @@ def test_from_tensor_fakes_are_never_written_back(write_back: None) -> None:
     assert torch.equal(buf, torch.zeros(3))
 
 
+@pytest.mark.parametrize("order", ["from_tensor_first", "op_input_first"])
+def test_a_from_tensor_fake_shared_with_op_inputs_is_never_written_back(
+    write_back: None, order: str
+) -> None:
+    """The converter's memo returns one fake for ``from_tensor(buf)`` and for ``buf`` as an op
+    input: the caller holds it and may update it expecting upstream's semantics, so that buffer
+    keeps them in that mode, whichever came first."""
+    buf = torch.zeros(3)
+    with fake_mode() as mode:
+        if order == "op_input_first":
+            buf.add_(mode.from_tensor(torch.ones(3)))  # aliased and written back: buf = 1
+        held = mode.from_tensor(buf)
+        held.add_(10)  # never reaches buf
+        buf.add_(mode.from_tensor(torch.ones(3)))  # the memo returns `held`: not aliased
+        values = fakegrad_patch.materialize(held, copy=True)
+    assert values.tolist() == ([12.0] * 3 if order == "op_input_first" else [11.0] * 3)
+    assert torch.equal(buf, torch.ones(3) if order == "op_input_first" else torch.zeros(3))
+
+
 def test_a_parameter_updated_in_place_inside_the_mode_is_reported_not_written(
     write_back: None,
 ) -> None:
