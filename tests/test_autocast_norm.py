@@ -12,7 +12,9 @@ like eager. On CUDA, autocast runs the norms in float32: no mismatch.
 from __future__ import annotations
 
 import copy
+import gc
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,6 +27,15 @@ import fakegrad_patch
 from fakegrad_patch import trace
 
 pytestmark = pytest.mark.usefixtures("propagate")
+
+
+@pytest.fixture(autouse=True)
+def _collect() -> Iterator[None]:
+    """The upstream error's traceback holds the mode in reference cycles: collect them, so that
+    no later ``uninstall()`` (other test files) finds these modes' records still alive."""
+    yield
+    gc.collect()
+
 
 MismatchError = pytest.importorskip("torch._subclasses.fake_tensor").MetadataMismatchError
 
@@ -130,8 +141,10 @@ def test_without_the_patch_nothing_is_added() -> None:
             _run_autocast(_model("layer_norm"), _input("layer_norm"), torch.bfloat16)
         assert not [e for e in events if e["event"] == "propagation_mismatch"]
         assert not getattr(info.value, "__notes__", [])
+        del info  # its traceback keeps the mode (and its records) alive
     finally:
         fakegrad_patch.install()
+        fakegrad_patch.release_hooks()  # uninstall() armed lasting hooks for live records
 
 
 def test_other_metadata_mismatch_errors_are_left_alone() -> None:

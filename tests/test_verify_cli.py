@@ -81,7 +81,7 @@ def test_cli_prints_the_table_and_exits_0_when_everything_matches() -> None:
     assert lines[0].startswith("fakegrad_patch verify: ConvNet, 2 step(s), optimizer SGD")
     assert lines[2] == "verdict: OK, 9 parameter(s) match eager"
     assert "PROBLEMS: none" in lines
-    assert "PARAMETERS (9)" in lines and "BUFFERS (6) (info)" in lines
+    assert "PARAMETERS (9)" in lines and "BUFFERS (6) (info) buffers=upstream" in lines
     assert not [line for line in lines if line.startswith("! ")]
 
 

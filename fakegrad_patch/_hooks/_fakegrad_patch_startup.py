@@ -70,6 +70,8 @@ ENV_CHECKS = {
     "FAKEGRAD_TRACE_LEVEL": ("debug", "info", "warning", "error", INT),
     "FAKEGRAD_TRACE_MAX_BYTES": (INT,),
     "FAKEGRAD_TRACE_JSON": ("auto", "stdlib"),
+    # ``write-back`` is the parser's spelling of ``write_back`` with a hyphen
+    "FAKEGRAD_BUFFERS": ("upstream", "write_back", "write-back"),
 }
 #: The module whose import triggers the activation.
 TRIGGER = "torch"
