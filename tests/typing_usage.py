@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import fakegrad_patch
-from fakegrad_patch import FakeGradError, FakeGradPatchWarning, OnMissing, Settings
+from fakegrad_patch import Buffers, FakeGradError, FakeGradPatchWarning, OnMissing, Settings
 
 if TYPE_CHECKING:
     from typing_extensions import assert_type
@@ -37,6 +37,13 @@ def main() -> None:
     assert_type(fakegrad_patch.settings(), Settings)
     with contextlib.suppress(ValueError):  # rejected at run time too
         fakegrad_patch.configure(on_missing="bogus")  # type: ignore[arg-type]
+    buffers: Buffers = fakegrad_patch.configure(buffers="write_back").buffers
+    fakegrad_patch.configure(buffers=buffers)
+    with contextlib.suppress(ValueError):
+        fakegrad_patch.configure(buffers="copy")  # type: ignore[arg-type]
+    with fakegrad_patch.patched(buffers="write_back"):
+        pass
+    assert fakegrad_patch.BUFFERS_VALUES == ("upstream", "write_back")
 
     model = torch.nn.Linear(3, 2)
     assert_type(fakegrad_patch.name_parameters(model, prefix="model."), int)
