@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch._functorch.config as functorch_config
 import torch._subclasses.fake_tensor as fake_tensor_module
-from _helpers import assert_real_grads_equal, fake_mode
+from _helpers import assert_real_grads_equal, fake_mode, fake_path_is_exact
 from test_trace import check_schema
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -157,7 +157,8 @@ def test_the_documented_workaround_trains_like_eager(norm: str, dtype: torch.dty
     _run_autocast(model, x, dtype)
     with torch.autocast("cpu", dtype=dtype):
         reference(x).float().pow(2).mean().backward()
-    assert_real_grads_equal(model, reference, atol=0, rtol=0)
+    exact = fake_path_is_exact()  # bit for bit where the build's fake path is (2.13, 2.14)
+    assert_real_grads_equal(model, reference, atol=0 if exact else 1e-5, rtol=0 if exact else 1e-4)
 
 
 def test_without_the_patch_nothing_is_added(refused: None) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch._functorch.config as functorch_config
-from _helpers import assert_real_grads_equal, fake_mode, is_real
+from _helpers import assert_real_grads_equal, fake_mode, fake_path_is_exact, is_real
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -116,23 +116,36 @@ def _pair(name: str, device: torch.device) -> tuple[nn.Module, nn.Module, torch.
     return model, reference, x
 
 
+def _close(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+    if fake_path_is_exact():
+        assert torch.equal(a, b), f"{name}: {a} != eager {b}"
+    else:
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def _assert_grads(model: nn.Module, reference: nn.Module) -> None:
+    exact = fake_path_is_exact()
+    assert_real_grads_equal(model, reference, atol=0 if exact else 1e-6, rtol=0 if exact else 1e-5)
+
+
 def _assert_state_equal(model: nn.Module, reference: nn.Module) -> None:
     for (name, b), r in zip(model.named_buffers(), reference.buffers(), strict=True):
         assert is_real(b), name
         assert b.stride() == r.stride(), name
-        assert torch.equal(b, r), f"{name}: {b} != eager {r}"
+        _close(b, r, name)
     for (name, p), r in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert torch.equal(p.detach(), r.detach()), name
+        _close(p.detach(), r.detach(), name)
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_buffers_updated_inside_the_mode_match_eager_bit_for_bit(
+def test_buffers_updated_inside_the_mode_match_eager(
     write_back: None, name: str, device: torch.device
 ) -> None:
+    """Bit for bit where the build's fake path is (2.13.0, 2.14.1)."""
     model, reference, x = _pair(name, device)
     _train(model, x, 2, fake=True)
     _train(reference, x, 2, fake=False)
-    assert_real_grads_equal(model, reference, atol=0, rtol=0)
+    _assert_grads(model, reference)
     _assert_state_equal(model, reference)
 
 
@@ -162,7 +175,7 @@ def test_eval_mode_reads_the_written_back_statistics(write_back: None) -> None:
     reference.eval()
     with fake_mode():
         out = fakegrad_patch.materialize(model(x))
-    assert torch.equal(out, reference(x))
+    _close(out, reference(x), "eval output")
 
 
 # -- the ways a real tensor reaches the op ---------------------------------------------------------
@@ -240,7 +253,7 @@ def test_two_modes_writing_one_buffer_apply_both_updates_in_order(write_back: No
     for _ in range(3):
         reference(x).sum().backward()
     _assert_state_equal(model, reference)
-    assert_real_grads_equal(model, reference, atol=0, rtol=0)
+    _assert_grads(model, reference)
 
 
 def test_a_frozen_parameter_updated_as_an_ema_follows_eager(
