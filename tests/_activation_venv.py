@@ -101,6 +101,8 @@ def _source_key(paths: list[Path]) -> str:
     digest.update(Path(__file__).read_bytes())  # how the venvs are built is part of the key
     digest.update(os.path.realpath(sys.executable).encode())
     digest.update(sys.prefix.encode())
+    # the checkout too: an editable venv points at it (two clones, same interpreter path)
+    digest.update(str(ROOT.resolve()).encode())
     for path in sorted(paths):
         if path.is_file() and "__pycache__" not in path.parts:
             digest.update(str(path.relative_to(ROOT)).encode())
