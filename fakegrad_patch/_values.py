@@ -139,10 +139,7 @@ class Values:
         tracer-owned: they carry no keyword arguments.)"""
         real = self._real_of(fake)
         if real is not None and not self._is_fake(t):
-            root = t._base if t._base is not None else t
-            fake_root = fake._base if fake._base is not None else fake
-            data = real.untyped_storage().data_ptr()
-            self._table(conv).set(root, (weakref.ref(fake_root), data, t._version))
+            self._record_seen(conv, t, fake, real)
         self._note_made(conv)
         fake_leaves = self._applied.fake_leaves
         if fake_leaves.mirroring():
@@ -171,7 +168,7 @@ class Values:
         elif _leaves.has_managed_grads() and _leaves.managed_grad(t):
             self._alias_grad(fake, t)
         elif self._write_back.enabled and self._write_back.convert(mode, t, fake, op_input):
-            self._note_alias(conv, t, fake)
+            self._record_seen(conv, t, fake, fake.real_tensor)  # write-back: fake aliases t
         else:
             self._sync(conv, fake, t)
         # grad-copy fidelity (probe D4) and mirror_to_sources (issue 7)
@@ -186,13 +183,13 @@ class Values:
             _records.set(conv, table)
         return table
 
-    def _note_alias(self, conv: Any, t: Any, fake: Any) -> None:
-        """``fake`` aliases ``t`` (write-back): its values are right by construction; recorded
-        so that the untrusted-mode check knows the conversion was seen."""
+    def _record_seen(self, conv: Any, t: Any, fake: Any, real: Any) -> None:
+        """Record ``conv``'s conversion of ``t`` as seen, without syncing anything (values that
+        are upstream's, or an alias of ``t``): the untrusted-mode check then trusts it."""
         root = t._base if t._base is not None else t
         fake_root = fake._base if fake._base is not None else fake
-        data = root.untyped_storage().data_ptr()
-        self._table(conv).set(root, (weakref.ref(fake_root), data, root._version))
+        data = real.untyped_storage().data_ptr()
+        self._table(conv).set(root, (weakref.ref(fake_root), data, t._version))
 
     def _note(self, conv: Any, t: Any) -> None:
         table = self._table(conv)

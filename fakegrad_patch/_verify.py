@@ -499,15 +499,11 @@ class _Run:
                     "fakegrad_patch.configure(buffers=...), FAKEGRAD_BUFFERS=write_back, "
                     "verify --buffers write_back) makes them reach the real buffers as in eager"
                 )
-        written = sum(1 for e in self.events if e.get("event") == "buffer_written_back")
+        written = [e for e in self.events if e.get("event") == "buffer_written_back"]
         if written:
-            nbytes = sum(
-                int(e.get("bytes") or 0)
-                for e in self.events
-                if e.get("event") == "buffer_written_back"
-            )
+            nbytes = sum(int(e.get("bytes") or 0) for e in written)
             self.notes.append(
-                f"buffers written back to the real buffers: {written} time(s), {nbytes} bytes"
+                f"buffers written back to the real buffers: {len(written)} time(s), {nbytes} bytes"
             )
         return out
 

@@ -138,20 +138,14 @@ class WriteBack:
             if not self.enabled:
                 return 0
             self.enabled = False
-            cls = self._r.fake_mode_cls
             wrapper, self._wrapper = self._wrapper, None
             name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
-            if cls.__dict__.get(name) is wrapper:
-                setattr(cls, name, wrapper.__wrapped__)
+            # the patch's one unwrap rule: put upstream's back, unless somebody wrapped over us
+            self._applied._unwrap(self._r.fake_mode_cls, name, wrapper, None, True)
             aliased = list(self._aliases.items())
             self._aliases.clear()
             self._storages.clear()
-        count = 0
-        with self._r.no_dispatch(), torch.no_grad():
-            for fake, real in aliased:
-                if getattr(fake, "real_tensor", None) is real:
-                    fake.real_tensor = _private_copy(real)
-                    count += 1
+        count = sum(self._unalias(fake, real) for fake, real in aliased)
         if trace.enabled(trace.INFO):
             trace.emit("write_back_disabled", trace.INFO, unaliased=count)
         return count
@@ -347,10 +341,17 @@ class WriteBack:
             return fake not in self._refused and self.on_convert(mode, t, fake)
         self._refused.set(fake, True)
         real = self._aliases.pop(fake)
-        if real is not None and getattr(fake, "real_tensor", None) is real:
-            with self._r.no_dispatch(), torch.no_grad():
-                fake.real_tensor = _private_copy(real)
+        if real is not None:
+            self._unalias(fake, real)
         return False
+
+    def _unalias(self, fake: Any, real: Any) -> bool:
+        """Give ``fake`` a private copy of ``real`` again if it still aliases it."""
+        if getattr(fake, "real_tensor", None) is not real:
+            return False
+        with self._r.no_dispatch(), torch.no_grad():
+            fake.real_tensor = _private_copy(real)
+        return True
 
     def on_convert(self, mode: Any, t: Any, fake: Any) -> bool:
         """``t`` (real, does not require grad) was just converted as an op input: alias the
@@ -436,25 +437,25 @@ def _storage(t: Any) -> int | None:
     return int(t.data_ptr() - t.storage_offset() * t.element_size())
 
 
-def _tensor_arguments(op_args: Any, op_kwargs: Any) -> list[Any]:
+def _tensors(values: Any) -> list[Any]:
+    """The tensors among aten arguments: tensors, and the tensors of ``Tensor[]`` lists."""
     out = []
-    for value in (*op_args, *op_kwargs.values()):
+    for value in values:
         if isinstance(value, torch.Tensor):
             out.append(value)
         elif isinstance(value, list | tuple):
             out.extend(v for v in value if isinstance(v, torch.Tensor))
     return out
+
+
+def _tensor_arguments(op_args: Any, op_kwargs: Any) -> list[Any]:
+    return _tensors((*op_args, *op_kwargs.values()))
 
 
 def _written_tensors(written: Any, op_args: Any, op_kwargs: Any) -> list[Any]:
-    out = []
-    for index, name in written:
-        value = op_args[index] if index < len(op_args) else op_kwargs.get(name)
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, list | tuple):
-            out.extend(v for v in value if isinstance(v, torch.Tensor))
-    return out
+    return _tensors(
+        op_args[index] if index < len(op_args) else op_kwargs.get(name) for index, name in written
+    )
 
 
 def _private_copy(real: Any) -> Any:

@@ -28,6 +28,20 @@ def _sgd(lr: float = 0.1, momentum: float = 0.9) -> Callable[..., torch.optim.Op
     return functools.partial(torch.optim.SGD, lr=lr, momentum=momentum)
 
 
+def _classifier(
+    model: nn.Module, x: torch.Tensor, classes: int, optimizer: Any, steps: int
+) -> Case:
+    """A case trained with cross-entropy against random labels (drawn after ``x``)."""
+    y = torch.randint(0, classes, (x.shape[0],), device=x.device)
+    return {
+        "model": model,
+        "inputs": (x,),
+        "loss_fn": lambda out: F.cross_entropy(out, y),
+        "optimizer": optimizer,
+        "steps": steps,
+    }
+
+
 def mlp(device: str = "cpu") -> Case:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -35,14 +49,7 @@ def mlp(device: str = "cpu") -> Case:
     )
     model.to(device)
     x = torch.randn(8, 16, device=device)
-    y = torch.randint(0, 4, (8,), device=device)
-    return {
-        "model": model,
-        "inputs": (x,),
-        "loss_fn": lambda out: F.cross_entropy(out, y),
-        "optimizer": functools.partial(torch.optim.AdamW, lr=1e-2),
-        "steps": 3,
-    }
+    return _classifier(model, x, 4, functools.partial(torch.optim.AdamW, lr=1e-2), 3)
 
 
 class ConvNet(nn.Module):
@@ -64,14 +71,7 @@ def conv_bn_channels_last(device: str = "cpu") -> Case:
     torch.manual_seed(0)
     model = ConvNet().to(device=device, memory_format=torch.channels_last)
     x = torch.randn(4, 3, 12, 12, device=device).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 5, (4,), device=device)
-    return {
-        "model": model,
-        "inputs": (x,),
-        "loss_fn": lambda out: F.cross_entropy(out, y),
-        "optimizer": _sgd(),
-        "steps": 2,
-    }
+    return _classifier(model, x, 5, _sgd(), 2)
 
 
 class BatchNormResNet(nn.Module):
@@ -104,14 +104,7 @@ def batchnorm_resnet(device: str = "cpu") -> Case:
     torch.manual_seed(0)
     model = BatchNormResNet().to(device)
     x = torch.randn(4, 3, 8, 8, device=device)
-    y = torch.randint(0, 3, (4,), device=device)
-    return {
-        "model": model,
-        "inputs": (x,),
-        "loss_fn": lambda out: F.cross_entropy(out, y),
-        "optimizer": _sgd(),
-        "steps": 3,
-    }
+    return _classifier(model, x, 3, _sgd(), 3)
 
 
 class TinyTransformer(nn.Module):
