@@ -85,7 +85,7 @@ def first_need() -> None:
 def applied() -> Any:
     """The patch's current application object, or None (private, for the micro cases P5/P7
     only; every other case uses the public API). None too when the core no longer has it."""
-    module = getattr(fakegrad_patch, "_patch", None)
+    module = getattr(getattr(fakegrad_patch, "_core", None), "install", None)
     current = getattr(module, "current", None)
     try:
         return current() if callable(current) else None

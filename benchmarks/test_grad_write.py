@@ -93,9 +93,9 @@ def test_p4_set_path_zero_copy(benchmark, device: str, slot: _support.Slot) -> N
 
 @pytest.mark.paired("add_", "materializer")
 def test_p5_accumulate_vs_add(benchmark, device: str, slot: _support.Slot) -> None:
-    applied = fakegrad_patch._patch.current()
+    applied = fakegrad_patch._core.install.current()
     if applied is None or not hasattr(applied, "materializer"):
-        pytest.skip("fakegrad_patch._patch.current().materializer is not available")
+        pytest.skip("fakegrad_patch._core.install.current().materializer is not available")
     materializer = applied.materializer
 
     def build() -> tuple[torch.Tensor, Any]:

@@ -9,8 +9,8 @@ environment's site-packages on ``sys.path`` (so the packages fakegrad_patch depe
 importable, as in a real install);
 "installed" also gets what a wheel install puts into site-packages: the ``fakegrad_patch``
 package (a symlink to this checkout's) and the files hatch force-includes at the root, i.e. the
-start-up hook ``fakegrad_patch/_hooks/*`` (``fakegrad_patch.pth`` and the module it imports,
-byte-compiled as pip does).
+start-up hook ``fakegrad_patch/_activation/hooks/*`` (``fakegrad_patch.pth`` and the module it
+imports, byte-compiled as pip does).
 Each round is one ``python -c pass`` in a subprocess; the variants alternate block by block.
 
 Skips, saying why, while the start-up hook does not exist (it is owned by the activation work).
@@ -32,7 +32,7 @@ import fakegrad_patch
 from benchmarks import _support
 
 PACKAGE_DIR = Path(fakegrad_patch.__file__).resolve().parent
-HOOKS_DIR = PACKAGE_DIR / "_hooks"
+HOOKS_DIR = PACKAGE_DIR / "_activation" / "hooks"
 
 
 def _hook_files() -> list[Path]:

@@ -74,9 +74,9 @@ def _trace_settings(variant: str, tmp_path: Path) -> dict[str, Any]:
 def test_p7_trace_cost(benchmark, device: str, slot: _support.Slot, tmp_path: Path) -> None:
     if not hasattr(trace, "configure_trace"):
         pytest.skip("fakegrad_patch.trace.configure_trace does not exist yet")
-    applied = fakegrad_patch._patch.current()
+    applied = fakegrad_patch._core.install.current()
     if applied is None or not hasattr(applied, "materializer"):
-        pytest.skip("fakegrad_patch._patch.current().materializer is not available")
+        pytest.skip("fakegrad_patch._core.install.current().materializer is not available")
     materializer = applied.materializer
 
     def build() -> tuple[torch.Tensor, Any]:

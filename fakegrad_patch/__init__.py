@@ -7,83 +7,12 @@ patch applies once torch is imported). See README.md and docs/ for the full stor
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._config import BUFFERS_VALUES, ON_MISSING_VALUES, Buffers, OnMissing, Settings
+from ._core import install as _install
+from ._core.install import install, is_installed, release_hooks, status, uninstall
 from ._errors import FakeGradError, FakeGradPatchWarning
-
-
-def _without_wrapt(missing: ModuleNotFoundError) -> None:
-    """Define install()/uninstall()/is_installed()/status() for a process without wrapt: install
-    warns once (FakeGradPatchWarning) and traces why, torch is left untouched, status() says so."""
-    import sys
-    import threading
-
-    reason = "wrapt is not installed; not patching"
-    lock = threading.Lock()
-    wanted = [False, False]  # [install() called and not uninstalled, warned already]
-
-    def install() -> bool:
-        with lock:
-            wanted[0] = True
-            first, wanted[1] = not wanted[1], True
-        if first:
-            import warnings
-
-            from . import trace
-
-            torch_mod = sys.modules.get("torch")
-            version = str(getattr(torch_mod, "__version__", "not imported"))
-            warnings.warn(
-                f"fakegrad_patch: {reason} ({missing}). Upstream behaviour is unchanged (fake "
-                "gradients can still reach real leaves); pip install wrapt.",
-                FakeGradPatchWarning,
-                stacklevel=3,
-            )
-            if trace.enabled(trace.WARNING):
-                trace.emit("patch_skipped", trace.WARNING, torch=version, reason=reason)
-        return False
-
-    def uninstall() -> bool:
-        with lock:
-            wanted[0] = False
-        return False
-
-    def is_installed() -> bool:
-        return False
-
-    def status() -> dict[str, Any]:
-        return {
-            "wanted": wanted[0],
-            "installed": False,
-            "waiting_for_torch": False,
-            "skipped_reason": reason,
-            "armed_leaves": 0,
-            "defects": {},
-        }
-
-    def release_hooks() -> int:
-        return 0
-
-    globals().update(
-        install=install,
-        uninstall=uninstall,
-        is_installed=is_installed,
-        status=status,
-        release_hooks=release_hooks,
-    )
-
-
-try:
-    from ._patch import install, is_installed, release_hooks, status, uninstall
-except ModuleNotFoundError as _exc:
-    # wrapt (a required dependency) is missing: the package must still import, so that
-    # ``doctor`` can say so and ``python -m fakegrad_patch trace`` works. Nothing is patched.
-    if _exc.name != "wrapt":
-        raise
-    _without_wrapt(_exc)
-
 
 if TYPE_CHECKING:
     import torch
@@ -129,55 +58,32 @@ def configure(*, on_missing: OnMissing | None = None, buffers: Buffers | None = 
     docs/configuration.md. ``None`` leaves a setting unchanged. Invalid values raise ValueError
     naming the setting, the value and the valid ones; settings are then unchanged.
     """
-    from . import _config
-
-    previous = _config.update(on_missing=on_missing, buffers=buffers)
-    _settings_changed()
-    return previous
+    return _install.configure(on_missing=on_missing, buffers=buffers)
 
 
 def _settings_changed() -> None:
     """Let the applied patch follow the settings (nothing is applied without wrapt)."""
-    import sys
-
-    patch = sys.modules.get(__name__ + "._patch")
-    if patch is not None:
-        patch.settings_changed()
+    _install.settings_changed()
 
 
 def settings() -> Settings:
     """The settings in force."""
-    from . import _config
-
-    return _config.current()
+    return _install.settings()
 
 
-@contextlib.contextmanager
 def patched(
     *, on_missing: OnMissing | None = None, buffers: Buffers | None = None
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Scoped use: the patch is installed (and ``on_missing``/``buffers`` set when given:
     ``on_missing`` explicitly) inside the block, and the previous state (installed or not,
     settings exactly, the explicit flag included) is restored on exit. An invalid value raises
     ValueError before anything changes."""
-    from . import _config
-
-    was_installed = is_installed()
-    previous = _config.update(on_missing=on_missing, buffers=buffers)
-    install()
-    _settings_changed()
-    try:
-        yield
-    finally:
-        _config.restore(previous)
-        _settings_changed()
-        if not was_installed:
-            uninstall()
+    return _install.patched(on_missing=on_missing, buffers=buffers)
 
 
 def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:
     """Register ``module``'s parameter names for trace events and messages (held weakly)."""
-    from ._leaves import name_parameters as _name_parameters
+    from ._core.leaves import name_parameters as _name_parameters
 
     return _name_parameters(module, prefix)
 
@@ -188,7 +94,7 @@ def materialize(
     """Real tensors from the FakeTensors in ``tree`` (nested tuples/lists/dicts), built from their
     propagated values, on ``like``'s device (and dtype/layout when ``like`` matches ``tree``);
     fakes without real values follow ``on_missing``. See docs/fake-leaves.md."""
-    from ._fakeleaves import materialize as _materialize
+    from ._tools.materialize import materialize as _materialize
 
     return _materialize(tree, like, on_missing=on_missing, copy=copy)
 
@@ -198,7 +104,7 @@ def mirror_to_sources(mode: Any) -> contextlib.AbstractContextManager[None]:
     converted from real leaves (``mode.from_tensor(param)`` while the block runs) are also
     materialized onto the real source leaves. Off by default because torch.compile/export make
     such fakes internally and must never write real ``.grad``s. See docs/fake-leaves.md."""
-    from ._fakeleaves import mirror_to_sources as _mirror_to_sources
+    from ._core.fakeleaves import mirror_to_sources as _mirror_to_sources
 
     return _mirror_to_sources(mode)
 
@@ -225,7 +131,7 @@ def verify(
     one in force). ``report.ok`` is the verdict, ``report.format()`` the table,
     ``report.assert_ok()`` raises with it. Your model, RNG state, patch state and settings are
     left unchanged. See docs/verify.md."""
-    from ._verify import verify as _verify
+    from ._tools.verify import verify as _verify
 
     return _verify(
         model,
@@ -248,7 +154,7 @@ def __getattr__(name: str) -> Any:
 
         return importlib.import_module(".trace", __name__)
     if name in ("VerifyError", "VerifyReport"):  # torch-dependent: imported on first use
-        from . import _verify
+        from ._tools import verify as _verify
 
         return getattr(_verify, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,19 +10,22 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
-        "fakegrad_patch._demo",
+        "fakegrad_patch._tools.demo",
         "train a model one step inside FakeTensorMode, unpatched vs patched",
     ),
     "doctor": (
-        "fakegrad_patch._doctor",
+        "fakegrad_patch._tools.doctor",
         "report versions, start-up hook, targets, defects, status",
     ),
-    "trace": ("fakegrad_patch._trace_reader", "summarize trace files (JSONL)"),
+    "trace": ("fakegrad_patch.trace._reader", "summarize trace files (JSONL)"),
     "verify": (
-        "fakegrad_patch._verify_cli",
+        "fakegrad_patch._tools.verify_cli",
         "train your model eagerly and patched under FakeTensorMode, compare every gradient",
     ),
-    "sitecustomize": ("fakegrad_patch._sitecustomize", "print or append the sitecustomize line"),
+    "sitecustomize": (
+        "fakegrad_patch._activation.sitecustomize",
+        "print or append the sitecustomize line",
+    ),
 }
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fakegrad_patch"
-HOOKS = PACKAGE / "_hooks"
+HOOKS = PACKAGE / "_activation" / "hooks"
 CACHE = Path(tempfile.gettempdir()) / "fakegrad_patch_activation"
 BASE_PTH = "zz_fakegrad_test_base.pth"
 #: Variables that would change what a child interpreter does at start-up.

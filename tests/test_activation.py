@@ -15,12 +15,12 @@ import pytest
 from _activation_venv import ROOT, Venv, bare_venv, editable_venv, run, startup_overhead, wheel_venv
 
 import fakegrad_patch
-from fakegrad_patch import _startup
+from fakegrad_patch._activation import startup as _startup
 
 pytestmark = pytest.mark.slow
 
 HOOK = _startup.hook_module()
-HOOKS_DIR = ROOT / "fakegrad_patch" / "_hooks"
+HOOKS_DIR = ROOT / "fakegrad_patch" / "_activation" / "hooks"
 WATCHED = ("fakegrad_patch", "_fakegrad_patch_startup", "wrapt", "structlog", "torch")
 
 #: Prints which of our (or heavy) modules the start-up imported, then the hook's state.
@@ -136,7 +136,7 @@ def test_pth_line_and_hook_parse_the_same_off_values() -> None:
 def test_wheel_installs_hook_at_site_packages_root(venv: Venv) -> None:
     for name in ("fakegrad_patch.pth", "fakegrad_patch.start", "_fakegrad_patch_startup.py"):
         assert (venv.site_packages / name).is_file(), name
-    assert (venv.site_packages / "fakegrad_patch" / "_startup.py").is_file()
+    assert (venv.site_packages / "fakegrad_patch" / "_activation" / "startup.py").is_file()
     assert not (venv.site_packages / "sitecustomize.py").exists()
 
 
@@ -267,7 +267,7 @@ def test_pep829_start_entry_point(venv: Venv) -> None:
     state = json.loads(on.stdout.splitlines()[-1])
     assert "fakegrad_patch" in state["loaded"]
     assert state["state"]["activated_by"] == "pth"
-    assert callable(pkgutil.resolve_name("fakegrad_patch._startup:hook_module"))
+    assert callable(pkgutil.resolve_name("fakegrad_patch._activation.startup:hook_module"))
 
 
 def test_editable_install_activates_too() -> None:
@@ -395,7 +395,7 @@ def test_unsupported_torch_is_not_patched(venv: Venv, mutation: str) -> None:
         "s = fakegrad_patch.status()\n"
         "print(fakegrad_patch.is_installed(), fake_step(), fake_step(),"
         " bool(s['skipped_reason']))\n"
-        "from fakegrad_patch import _doctor\n"
+        "from fakegrad_patch._tools import doctor as _doctor\n"
         "report = _doctor.collect()\n"
         "print(json.dumps(report['problems']))\n"
     )
@@ -436,7 +436,7 @@ def test_doctor_reports_an_activated_environment(venv: Venv) -> None:
     assert report["startup_hook"]["activated_by"] == "pth"
     assert report["environment"]["FAKEGRAD_PATCH"]["parsed"] == "on"
     assert all(t["found"] for t in report["checks"]["targets"] if not t["optional"])
-    applied = fakegrad_patch._patch.current()
+    applied = fakegrad_patch._core.install.current()
     assert applied is not None
     assert report["checks"]["defects"] == applied.probes.detected()
     assert report["checks"]["status"]["installed"] is True

@@ -15,7 +15,9 @@ from _helpers import fake_mode, is_real
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode
 
 import fakegrad_patch
-from fakegrad_patch import _probes, _targets, trace
+from fakegrad_patch import trace
+from fakegrad_patch._core import probes as _probes
+from fakegrad_patch._core import targets as _targets
 
 PACKAGE = pathlib.Path(fakegrad_patch.__file__).parent
 
@@ -35,7 +37,7 @@ def _unpatched_parameter_copy_is_wrong() -> bool:
 
 
 def test_d2_probe_matches_the_behaviour_of_this_build() -> None:
-    applied = fakegrad_patch._patch.current()
+    applied = fakegrad_patch._core.install.current()
     assert applied is not None
     assert applied.probes.has(_probes.D2) == _unpatched_parameter_copy_is_wrong()
 
@@ -54,7 +56,7 @@ def test_parameter_values_are_right_under_propagation() -> None:
 
 @pytest.mark.usefixtures("propagate")
 def test_d2_repair_is_traced_only_where_the_build_needs_it() -> None:
-    applied = fakegrad_patch._patch.current()
+    applied = fakegrad_patch._core.install.current()
     assert applied is not None
     needed = applied.probes.has(_probes.D2)
     trace.set_level(trace.INFO)
@@ -159,7 +161,7 @@ def test_name_parameters_is_weak() -> None:
     gc.collect()  # names of other tests' dead parameters must not count below
     model = torch.nn.Linear(2, 2)
     assert fakegrad_patch.name_parameters(model, prefix="enc") == 2
-    from fakegrad_patch import _leaves
+    from fakegrad_patch._core import leaves as _leaves
 
     assert _leaves.name_of(model.weight) == "enc.weight"
     before = len(_leaves._names)
@@ -190,17 +192,31 @@ def _private_torch_uses(path: pathlib.Path) -> list[str]:
 
 
 #: Not patch code: the demo is a user program and imports FakeTensorMode the way users do.
-USER_PROGRAMS = {"_demo.py"}
+USER_PROGRAMS = {"_tools/demo.py"}
+#: the one module allowed to touch private torch names
+TARGETS_MODULE = "_core/targets.py"
 
 
 def test_private_torch_is_touched_only_in_targets_module() -> None:
     offenders = {}
-    for path in [*PACKAGE.glob("*.py"), *PACKAGE.glob("_hooks/*.py")]:
-        if path.name == "_targets.py" or path.name in USER_PROGRAMS:
+    scanned = set()
+    for path in PACKAGE.rglob("*.py"):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name == TARGETS_MODULE or name in USER_PROGRAMS:
             continue
+        scanned.add(name)
         uses = _private_torch_uses(path)
         if uses:
-            offenders[path.name] = uses
+            offenders[name] = uses
+    # every part of the package was read (a moved module must not escape the check)
+    assert {
+        "_core/values.py",
+        "_core/arming.py",
+        "trace/__init__.py",
+        "_tools/verify.py",
+    } <= scanned
+    assert "_activation/hooks/fakegrad_patch_pytest.py" in scanned
+    assert _private_torch_uses(PACKAGE / TARGETS_MODULE), "the check finds private names at all"
     assert offenders == {}
 
 

@@ -42,7 +42,7 @@ COMPILE_SKIP_REASONS = ("torch.compile is not supported", "needs a C++ compiler"
 def test_benchmarks_run_in_smoke_mode(tmp_path: Path) -> None:
     if not (BENCH / "conftest.py").exists():
         pytest.skip("no benchmarks/ next to tests/ (installed without the source tree)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKEGRAD_", "PYTEST_"))}
     junit, out = tmp_path / "junit.xml", tmp_path / "smoke.json"
     cmd = [
         *(sys.executable, "-m", "pytest", "benchmarks", "-p", "no:cacheprovider", "-q"),

@@ -19,7 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
 import fakegrad_patch
-from fakegrad_patch import _patch, _probes
+from fakegrad_patch._core import install as _patch
+from fakegrad_patch._core import probes as _probes
 
 propagating = pytest.mark.usefixtures("propagate")
 

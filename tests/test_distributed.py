@@ -1,7 +1,7 @@
 """DDP (gloo, 2 processes on 127.0.0.1, CPU) against eager DDP (docs/compatibility.md,
 "Distributed").
 
-* Forward and backward inside a propagating fake mode (fakegrad_patch/_ddp.py): every DDP
+* Forward and backward inside a propagating fake mode (fakegrad_patch/_core/ddp.py): every DDP
   configuration of the matrix gives, on each rank and at every step, the parameters' ``.grad`` of
   an eager DDP replica fed the same data. Losses are rank-dependent (different data, loss scaled
   by ``rank + 1``), and each rank also checks that the reduced gradient differs from its own

@@ -18,11 +18,13 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.func import functional_call
 
 import fakegrad_patch
-from fakegrad_patch import _fakeleaves, _probes, trace
+from fakegrad_patch import trace
+from fakegrad_patch._core import fakeleaves as _fakeleaves
+from fakegrad_patch._core import probes as _probes
 
 
-def _current() -> fakegrad_patch._patch._Applied:
-    applied = fakegrad_patch._patch.current()
+def _current() -> fakegrad_patch._core.install._Applied:
+    applied = fakegrad_patch._core.install.current()
     assert applied is not None
     return applied
 

@@ -204,7 +204,7 @@ def test_no_hooks_remain_once_the_fake_graph_is_gone() -> None:
     del loss
     gc.collect()
     assert fakegrad_patch.status()["armed_leaves"] == before
-    applied = fakegrad_patch._patch.current()
+    applied = fakegrad_patch._core.install.current()
     assert applied is not None
     calls = 0
     original = applied.materializer.on_fake_grad

@@ -22,7 +22,8 @@ import torch
 from _helpers import fake_mode, is_real
 
 import fakegrad_patch
-from fakegrad_patch import _probes, trace
+from fakegrad_patch import trace
+from fakegrad_patch._core import probes as _probes
 
 pytestmark = pytest.mark.usefixtures("propagate")
 
@@ -186,7 +187,7 @@ def test_a_fake_without_values_converted_by_a_propagating_mode_gives_no_values()
     w = torch.randn(4, requires_grad=True)
     with functorch_config.patch(fake_tensor_propagate_real_tensors=False), fake_mode():
         h = torch.randn(4) * 2  # a fake of A, no real values
-    fakegrad_patch._patch._state.warned.discard("drop")
+    fakegrad_patch._core.state.WARNED.discard("drop")
     with warnings.catch_warnings(record=True) as caught, trace.capture("warning") as events:
         warnings.simplefilter("always")
         with fake_mode():
@@ -205,7 +206,7 @@ def test_a_fake_without_values_converted_by_a_propagating_mode_gives_no_values()
 
 
 def _has_d2() -> bool:
-    applied = fakegrad_patch._patch.current()
+    applied = fakegrad_patch._core.install.current()
     assert applied is not None
     return applied.probes.has(_probes.D2)
 
@@ -263,7 +264,7 @@ def test_a_mode_used_before_the_first_install_is_not_trusted_on_d2_builds() -> N
             loss = model(X1).sum()
     finally:
         fakegrad_patch.install()
-    fakegrad_patch._patch._state.warned.discard("untrusted")
+    fakegrad_patch._core.state.WARNED.discard("untrusted")
     with warnings.catch_warnings(record=True) as caught, mode:
         warnings.simplefilter("always")
         loss.backward()

@@ -112,7 +112,7 @@ def test_sdist_has_sources_tests_docs_and_no_caches(dist: dict[str, pathlib.Path
         "LICENSE",
         "fakegrad_patch/__init__.py",
         "fakegrad_patch/py.typed",
-        "fakegrad_patch/_hooks/fakegrad_patch.pth",
+        "fakegrad_patch/_activation/hooks/fakegrad_patch.pth",
         "tests/test_api.py",
         "docs/compatibility.md",
     ):

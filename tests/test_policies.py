@@ -34,7 +34,7 @@ def test_default_without_real_values_is_upstream_untouched() -> None:
     model.bias.grad = torch.ones(2)
     prior = model.bias.grad
     known = dict(fakegrad_patch.status()["defects"])
-    fakegrad_patch._patch._state.warned.discard("drop")
+    fakegrad_patch._core.state.WARNED.discard("drop")
     with (
         warnings.catch_warnings(record=True) as caught,
         trace.capture("debug") as events,
@@ -56,9 +56,9 @@ def test_explicit_drop_warns_once_and_traces_every_drop() -> None:
     model = _linear()
     model.bias.grad = torch.ones(2)
     prior = model.bias.grad
-    applied = fakegrad_patch._patch.current()
+    applied = fakegrad_patch._core.install.current()
     assert applied is not None
-    fakegrad_patch._patch._state.warned.discard("drop")  # the once-per-process flag, for this test
+    fakegrad_patch._core.state.WARNED.discard("drop")  # the once-per-process flag, for this test
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _fake_backward(model)
@@ -168,7 +168,7 @@ def test_invalid_env_var_warns_and_falls_back() -> None:
 def test_drop_under_warnings_as_errors_is_recorded_and_not_called_internal() -> None:
     """``-W error``: the drop warning becomes the user's exception out of backward. The event is
     recorded first, the leaf keeps what it had, and nothing is labelled an internal error."""
-    fakegrad_patch._patch._state.warned.discard("drop")
+    fakegrad_patch._core.state.WARNED.discard("drop")
     fakegrad_patch.configure(on_missing="drop")
     model = _linear()
     model.bias.grad = torch.ones(2)
@@ -184,7 +184,7 @@ def test_drop_under_warnings_as_errors_is_recorded_and_not_called_internal() -> 
 
 
 def test_drop_warning_is_shown_once_per_process_across_installs_and_leaf_shapes() -> None:
-    fakegrad_patch._patch._state.warned.discard("drop")
+    fakegrad_patch._core.state.WARNED.discard("drop")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(20):

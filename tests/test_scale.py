@@ -2,7 +2,7 @@
 
 v0.2 rebuilt a registry on every conversion once more than 4,096 entries were alive (20,000
 Parameters: a patched fake step 1.96x the unpatched one). Registries are now
-:class:`fakegrad_patch._weak.WeakIdTable` s, whose only O(n) operation is ``items()`` (used by
+:class:`fakegrad_patch._core.weak.WeakIdTable` s, whose only O(n) operation is ``items()`` (used by
 ``uninstall()``); these tests count O(n) work during fake steps of a model with 6,000 parameter
 tensors (past v0.2's 4,096 threshold) instead of timing it, so they cannot pass by luck on a fast
 machine or fail on a loaded one. The timing is in benchmarks (docs/performance.md, scaling row).
@@ -16,7 +16,10 @@ import pytest
 import torch
 from _helpers import fake_mode, is_real
 
-from fakegrad_patch import _arming, _leaves, _values, _weak
+from fakegrad_patch._core import arming as _arming
+from fakegrad_patch._core import leaves as _leaves
+from fakegrad_patch._core import values as _values
+from fakegrad_patch._core import weak as _weak
 
 pytestmark = pytest.mark.usefixtures("propagate")
 

@@ -26,8 +26,11 @@ import pytest
 import torch
 
 import fakegrad_patch
-from fakegrad_patch import _config, _doctor, _startup, _verify_cli, trace
+from fakegrad_patch import _config, trace
+from fakegrad_patch._activation import startup as _startup
 from fakegrad_patch._config import SETTINGS, Setting, Settings, shown
+from fakegrad_patch._tools import doctor as _doctor
+from fakegrad_patch._tools import verify_cli as _verify_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = _startup.hook_module()

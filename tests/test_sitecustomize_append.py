@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fakegrad_patch import _startup
+from fakegrad_patch._activation import startup as _startup
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = _startup.sitecustomize_line()

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from _activation_venv import Venv, bare_venv, clean_env, wheel_venv
 
-from fakegrad_patch import _config, _startup
+from fakegrad_patch import _config
+from fakegrad_patch._activation import startup as _startup
 
 pytestmark = pytest.mark.slow
 

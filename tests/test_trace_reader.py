@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fakegrad_patch import _trace_reader
+from fakegrad_patch.trace import _reader as _trace_reader
 
 #: A real program: propagation on (set, accumulate), then off under every policy.
 PROGRAM = textwrap.dedent(

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from fakegrad_patch import _trace_reader, trace
+from fakegrad_patch import trace
+from fakegrad_patch.trace import _reader as _trace_reader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -203,7 +204,7 @@ def test_non_ascii_output_with_an_ascii_stdout_does_not_fail(tmp_path: Path) -> 
 _PEAK = textwrap.dedent(
     """
     import json, sys
-    from fakegrad_patch import _trace_reader
+    from fakegrad_patch.trace import _reader as _trace_reader
     summary = _trace_reader.summarize(sys.argv[1:])
     # VmHWM: this process's peak resident set (ru_maxrss would include the parent's at fork)
     with open("/proc/self/status") as fh:
@@ -302,7 +303,7 @@ def test_tallies_of_text_from_the_file_are_capped(
 def test_the_reader_is_one_file_that_needs_only_the_standard_library(tmp_path: Path) -> None:
     """Copied alone next to a trace, run with no site-packages (-S) and an isolated path (-I)."""
     copy = tmp_path / "reader.py"
-    shutil.copy(ROOT / "fakegrad_patch" / "_trace_reader.py", copy)
+    shutil.copy(ROOT / "fakegrad_patch" / "trace" / "_reader.py", copy)
     path = _write(tmp_path / "t.jsonl", _event(), _event("fake_grad_drop"))
     code = textwrap.dedent(
         f"""

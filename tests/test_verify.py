@@ -17,9 +17,11 @@ import torch._functorch.config as functorch_config
 from torch import nn
 
 import fakegrad_patch
-from fakegrad_patch import _leaves, _probes, trace
-from fakegrad_patch._accumulate import Materializer
-from fakegrad_patch._verify import DEFAULT_TOLERANCES, VerifyError
+from fakegrad_patch import trace
+from fakegrad_patch._core import leaves as _leaves
+from fakegrad_patch._core import probes as _probes
+from fakegrad_patch._core.accumulate import Materializer
+from fakegrad_patch._tools.verify import DEFAULT_TOLERANCES, VerifyError
 
 #: Zoo models the patch cannot make match eager: name -> the exact failure (xfail strict, so a fix
 #: shows). Documented in docs/compatibility.md (buffers updated in place inside the mode).
@@ -251,7 +253,7 @@ def test_every_parameter_is_reported_when_the_patch_is_absent(
 ) -> None:
     """Upstream torch (D1): FakeTensors land in ``.grad``; verify names every parameter of every
     zoo model (so each zoo test above can fail)."""
-    monkeypatch.setattr(fakegrad_patch, "patched", _not_patched)
+    monkeypatch.setattr(fakegrad_patch._core.install, "patched", _not_patched)
     case = _zoo.ZOO[name]("cpu")
     names = [n for n, _ in case["model"].named_parameters()]
     report = _run(case, steps=1)
@@ -259,7 +261,7 @@ def test_every_parameter_is_reported_when_the_patch_is_absent(
     assert all(p.grad == "fake" and p.eager_grad == "real" for p in report.parameters)
     assert all(any("FakeTensor was left" in x for x in p.problems) for p in report.parameters)
     # D2 builds (2.13): the unpatched forward reads uninitialised parameter values
-    applied = fakegrad_patch._patch.current()
+    applied = fakegrad_patch._core.install.current()
     assert applied is not None
     loss_differs = any(x.startswith("step 1: loss differs") for x in report.general_problems)
     assert loss_differs == applied.probes.has(_probes.D2)

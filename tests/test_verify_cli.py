@@ -24,8 +24,8 @@ ZOO = ROOT / "tests" / "_zoo.py"
 BROKEN = textwrap.dedent(
     """
     import torch
-    from fakegrad_patch import _leaves
-    from fakegrad_patch._accumulate import Materializer
+    from fakegrad_patch._core import leaves as _leaves
+    from fakegrad_patch._core.accumulate import Materializer
 
     CORRUPT = {"0.weight", "2.bias"}
     _original = Materializer._write
@@ -57,7 +57,7 @@ FACTORY = textwrap.dedent(
 def _env() -> dict[str, str]:
     """The worktree's package and pytest plugin first on the path (the installed plugin module
     may be an older copy)."""
-    paths = [str(ROOT), str(ROOT / "fakegrad_patch" / "_hooks")]
+    paths = [str(ROOT), str(ROOT / "fakegrad_patch" / "_activation" / "hooks")]
     old = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + ([old] if old else []))}
 
@@ -120,7 +120,7 @@ def in_process(
 ) -> Iterator[Callable[..., tuple[int, str, str]]]:
     """Run the command's ``main`` in this process (no interpreter start-up): exit code, stdout,
     stderr. ``sys.path`` is restored and the factories' modules forgotten afterwards."""
-    from fakegrad_patch import _verify_cli
+    from fakegrad_patch._tools import verify_cli as _verify_cli
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     before = set(sys.modules)
@@ -200,7 +200,7 @@ def test_cli_exits_2_when_it_cannot_compare(
 def test_verify_is_listed_in_the_command_usage() -> None:
     from fakegrad_patch.__main__ import COMMANDS
 
-    assert COMMANDS["verify"][0] == "fakegrad_patch._verify_cli"
+    assert COMMANDS["verify"][0] == "fakegrad_patch._tools.verify_cli"
 
 
 # -- the pytest fixture ---------------------------------------------------------------------------
@@ -212,8 +212,8 @@ INNER = textwrap.dedent(
     import torch
 
     import fakegrad_patch
-    from fakegrad_patch import _leaves
-    from fakegrad_patch._accumulate import Materializer
+    from fakegrad_patch._core import leaves as _leaves
+    from fakegrad_patch._core.accumulate import Materializer
 
     def _model():
         torch.manual_seed(0)

@@ -25,7 +25,7 @@ import torch._functorch.config as functorch_config
 from torch import nn
 
 import fakegrad_patch
-from fakegrad_patch._verify import VerifyError
+from fakegrad_patch._tools.verify import VerifyError
 
 HERE = pathlib.Path(__file__).resolve().parent
 

@@ -241,7 +241,7 @@ DYNAMO_SKIP = Target(
     "optional: dynamo never compiles the patch's own frames",
 )
 
-#: WRAPPED, OPTIONAL, only while ``buffers="write_back"`` is on (fakegrad_patch/_writeback.py;
+#: WRAPPED, OPTIONAL, only while ``buffers="write_back"`` is on (fakegrad_patch/_core/writeback.py;
 #: never wrapped otherwise). ``FakeTensorMode.dispatch(self, func, types, args=(), kwargs=...)``:
 #: the entry of every op the mode handles (``__torch_dispatch__`` calls it positionally; the
 #: nested ops of decompositions, ``func.decompose`` and Python meta/fake implementations that
@@ -261,7 +261,7 @@ FAKE_MODE_DISPATCH = Target(
 #: raised by ``FakeTensorMode._maybe_infer_fake`` when real-value propagation finds an op's fake
 #: output metadata different from the real kernel's ("Real tensor propagation found a metadata
 #: mismatch ... at output<path>, for func: <op>", raised from the inner comparison error). Its
-#: ``__init__`` is wrapped (fakegrad_patch/_mismatch.py: nothing runs unless one is made) to
+#: ``__init__`` is wrapped (fakegrad_patch/_core/mismatch.py: nothing runs unless one is made) to
 #: trace ``propagation_mismatch`` and add a note naming the known CPU-autocast norm defect
 #: (issue 18.3). Same name and message on 2.13.0 and 2.14.1. Absent: no trace event, no note.
 METADATA_MISMATCH_ERROR = Target(
@@ -601,7 +601,7 @@ def report() -> list[tuple[Target, str | None]]:
 
 
 # ==============================================================================================
-# --- DDP: DistributedDataParallel inside a propagating fake mode (fakegrad_patch/_ddp.py) ------
+# --- DDP: DistributedDataParallel inside a propagating fake mode (fakegrad_patch/_core/ddp.py) -
 # ==============================================================================================
 # Resolved apart from the core's targets: a build where one is missing leaves DDP to upstream
 # (one warning), the rest of the patch applies. Checked on: torch 2.13.0+cpu, 2.14.1+cu130 (run

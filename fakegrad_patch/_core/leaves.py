@@ -10,7 +10,7 @@
   (``zero_grad(set_to_none=False)``, ``clip_grad_norm_`` inside the mode), the fake's propagated
   values are the real gradient itself (_values), so in-place changes reach it as in eager mode.
 
-Every registry here is a :class:`~fakegrad_patch._weak.WeakIdTable`: O(1) per operation at any
+Every registry here is a :class:`~fakegrad_patch._core.weak.WeakIdTable`: O(1) per operation at any
 size, never keeping a tensor alive.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._weak import WeakIdTable
+from .weak import WeakIdTable
 
 _lock = threading.Lock()
 #: leaf -> its write lock (made on first need)

@@ -43,8 +43,11 @@ from typing import Any
 
 import torch
 
-from . import _leaves, _targets, trace
-from ._weak import WeakIdTable
+from .. import trace
+from . import leaves as _leaves
+from . import targets as _targets
+from .state import warn_once
+from .weak import WeakIdTable
 
 _NO_WRITES: tuple[tuple[int, str], ...] = ()
 
@@ -320,8 +323,6 @@ class WriteBack:
                 **_leaves.leaf_fields(t),
                 reason="requires grad (a parameter updated in place inside the mode)",
             )
-        from ._patch import warn_once
-
         warn_once(
             "write_back:parameter",
             "fakegrad_patch: buffers='write_back': a tensor that requires grad (a parameter) was "

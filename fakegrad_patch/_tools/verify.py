@@ -25,8 +25,12 @@ from typing import Any, Literal
 
 import torch
 
-from . import _config, _targets, trace
-from ._verify_report import BufferReport, ParamReport, VerifyReport
+from .. import _config, trace
+from .._core import install as _install
+from .._core import leaves as _leaves
+from .._core import targets as _targets
+from .materialize import materialize
+from .verify_report import BufferReport, ParamReport, VerifyReport
 
 ZeroGrad = Literal["none", "zeros", "never"]
 ZERO_GRAD_VALUES: tuple[str, ...] = ("none", "zeros", "never")
@@ -233,8 +237,6 @@ class _Run:
             ) from exc
 
     def execute(self, steps: int) -> None:
-        import fakegrad_patch
-
         for step in range(1, steps + 1):
             if step > 1:
                 self._zero(self.eager, self.opt_eager)
@@ -243,7 +245,7 @@ class _Run:
             loss_e = self._eager_step(step)
             _set_rng_state(cpu, cuda)
             with (
-                fakegrad_patch.patched(buffers=self.buffers),  # type: ignore[arg-type]
+                _install.patched(buffers=self.buffers),
                 trace.capture(trace.INFO) as events,
                 self.config.patch(fake_tensor_propagate_real_tensors=True),
             ):
@@ -277,17 +279,15 @@ class _Run:
         return loss.detach()
 
     def _patched_step(self, step: int) -> torch.Tensor | None:
-        import fakegrad_patch
-
-        fakegrad_patch.name_parameters(self.patched)
+        _leaves.name_parameters(self.patched)
         args, kwargs = _split_inputs(copy.deepcopy(self.inputs))
         try:
             with self.mode_cls(allow_non_fake_inputs=True):
                 loss = self.loss_fn(self.patched(*args, **kwargs))
                 loss.backward()
-                real = fakegrad_patch.materialize(loss.detach(), on_missing="drop")
+                real = materialize(loss.detach(), on_missing="drop")
         except Exception as exc:
-            from ._mismatch import describe
+            from .._core.mismatch import describe
 
             info = describe(exc)
             if info is not None:

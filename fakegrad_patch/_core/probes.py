@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import trace
-from ._targets import Resolved
+from .. import trace
+from .targets import Resolved
 
 _local = threading.local()
 

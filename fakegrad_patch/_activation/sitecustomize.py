@@ -22,7 +22,7 @@ import sys
 import sysconfig
 import tempfile
 
-from . import _startup
+from . import startup as _startup
 
 
 def find_sitecustomize() -> str | None:

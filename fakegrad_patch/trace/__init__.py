@@ -51,8 +51,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, Final
 
-from . import _config as _settings
-from ._errors import FakeGradPatchWarning
+from .. import _config as _settings
+from .._errors import FakeGradPatchWarning
 
 SCHEMA_VERSION: Final = 1
 DEBUG, INFO, WARNING, ERROR = 10, 20, 30, 40

@@ -28,7 +28,7 @@ _KEYS = ("model", "inputs", "loss_fn", "optimizer", "steps", "zero_grad")
 def _option(name: str) -> Callable[[str], Any]:
     """An argparse ``type=`` for the settings-table row ``name``: its parser, and on a bad value
     an argparse error naming the option, the value given and the allowed values."""
-    from . import _config
+    from .. import _config
 
     row = _config.setting(name)
 
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    from ._verify import VerifyError, verify
+    from .verify import VerifyError, verify
 
     try:
         case = case_from(load_factory(args.factory)())

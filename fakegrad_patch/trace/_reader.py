@@ -7,7 +7,7 @@ an ``event`` (broken) or that this reader does not know (unknown event or newer 
 counted and reported, never fatal; ``--strict`` turns them into exit code 1 (for tests and CI).
 
 Standard library only and self-contained (this one file runs anywhere a trace file was copied
-to: ``python _trace_reader.py trace.jsonl``; no torch, no structlog, no wrapt). Built for big
+to: ``python _reader.py trace.jsonl``; no torch, no structlog, no wrapt). Built for big
 traces: input is read in bounded chunks, never a whole line first (lines longer than
 ``MAX_LINE_BYTES`` are counted as broken), and memory grows with the leaves and processes shown,
 not with the number of lines (backward passes are counted, not collected; every other tally is
@@ -730,5 +730,5 @@ def _silence_stdout() -> None:
         pass
 
 
-if __name__ == "__main__":  # the file on its own: python _trace_reader.py trace.jsonl
+if __name__ == "__main__":  # the file on its own: python _reader.py trace.jsonl
     sys.exit(main(sys.argv[1:]))

@@ -40,10 +40,11 @@ from typing import Any
 
 import torch
 
-from . import _config, _leaves, trace
-from ._probes import bypassed
-from ._targets import Resolved
-from ._weak import WeakIdTable
+from .. import _config, trace
+from . import leaves as _leaves
+from .probes import bypassed
+from .targets import Resolved
+from .weak import WeakIdTable
 
 #: The one lock of arming: taken once per armed backward call (a batch of leaves), never by a
 #: gradient write.

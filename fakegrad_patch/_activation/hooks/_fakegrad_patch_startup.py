@@ -6,7 +6,8 @@ Installed at the root of site-packages as the top-level module ``_fakegrad_patch
 runs ``fakegrad_patch/__init__``, which imports wrapt and installs the patch, while a PEP 829
 ``.start`` entry point (Python 3.15+) is imported on every start, so the check of the variable has
 to live in a module that imports nothing of ours. Standard library only (``os``, ``sys``: both
-already loaded by ``site``). ``fakegrad_patch._startup`` gives the package access to this module
+already loaded by ``site``). ``fakegrad_patch._activation.startup`` gives the package access to this
+module
 (and loads it from this file when the package is reached through PYTHONPATH).
 
 The ``.pth`` line checks the variable itself before importing even this module, so with the
@@ -128,15 +129,16 @@ def invalid_message(raw: str) -> str:
 def sitecustomize_line() -> str:
     """The line users add to their own ``sitecustomize.py`` when ``.pth`` files are not processed
     (package reached through PYTHONPATH). Same checks as the ``.pth`` line, with the parsing
-    inline because this route imports ``fakegrad_patch._startup`` (hence the package, which
-    installs the patch) and must only do so for an "on" value. Printed and appended by
+    inline because this route imports ``fakegrad_patch._activation.startup`` (hence the package,
+    which installs the patch) and must only do so for an "on" value. Printed and appended by
     ``python -m fakegrad_patch sitecustomize [--append [PATH]]``. Like :func:`_say`, it never
     writes to stdout (``print(file=None)`` would, with stderr closed) and echoes a bounded,
     escaped value."""
     return (
         f'import os, sys; _fgp = os.environ.get("{ENV}", "").strip().lower(); '
         f"_fgp in {OFF_VALUES!r} or ("
-        f'__import__("fakegrad_patch._startup")._startup.activate("sitecustomize") '
+        f'__import__("fakegrad_patch._activation.startup", None, None, ("activate",))'
+        '.activate("sitecustomize") '
         f"if _fgp in {ON_VALUES!r} else "
         f'(print("{_PREFIX}{ENV}=%s%s not understood; not activated" % '
         f'(ascii(_fgp[:{ECHO_LIMIT}]), "..." * (len(_fgp) > {ECHO_LIMIT})), file=sys.stderr) '

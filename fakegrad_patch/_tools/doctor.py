@@ -26,8 +26,10 @@ import sys
 import sysconfig
 from typing import Any
 
-from . import _config, _startup, _targets
-from ._sitecustomize import find_sitecustomize
+from .. import _config
+from .._activation import startup as _startup
+from .._activation.sitecustomize import find_sitecustomize
+from .._core import targets as _targets
 
 #: The distribution name on PyPI (``import fakegrad_patch`` is its import name).
 DISTRIBUTION = "fakegrad-patch"
@@ -124,7 +126,7 @@ def _minimal_sink_problem(raw: str) -> str | None:
 def sink_problem(raw: str) -> str | None:
     """Why events could not be written to ``FAKEGRAD_TRACE=raw`` (None: fine). Asks the tracer
     (``trace.sink_problem``) when it has that check, else a minimal check of our own."""
-    from . import trace
+    from .. import trace
 
     check = getattr(trace, "sink_problem", None)
     if check is None:
@@ -282,13 +284,13 @@ def torch_checks() -> dict[str, Any]:
     try:
         applied = None
         if result["wrapt_error"] is None:
-            from . import _patch
+            from .._core import install as _patch
 
             applied = _patch.current()
         if applied is not None:
             result["defects"] = applied.probes.detected()
         else:
-            from . import _probes
+            from .._core import probes as _probes
 
             result["defects"] = _probes.Probes(_targets.resolve_all()).detected()
     except Exception as exc:

@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 
-from . import _config, _leaves, trace
-from ._errors import FakeGradError, FakeGradPatchWarning
-from ._targets import Resolved
+from .. import _config, trace
+from .._errors import FakeGradError, FakeGradPatchWarning
+from . import leaves as _leaves
+from .state import warn_once
+from .targets import Resolved
 
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -200,8 +202,6 @@ class Materializer:
         if outcome.action == "drop":
             # after the event: a user's ``-W error`` turns the warning into an exception, which
             # must not lose the record
-            from ._patch import warn_once
-
             if outcome.source == "untrusted":
                 warn_once("untrusted", _UNTRUSTED_MESSAGE)
             else:
@@ -451,8 +451,6 @@ class Hooks:
                 tensor.grad = zeros if prior is None else prior + zeros
             else:
                 tensor.grad = prior
-                from ._patch import warn_once
-
                 warn_once("drop", _DROP_MESSAGE)
 
 
@@ -478,7 +476,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def describe(leaf: torch.Tensor) -> str:
     """``name (shape, dtype, device)`` of a leaf, for messages."""
-    from . import _leaves
+    from . import leaves as _leaves
 
     name = _leaves.name_of(leaf)
     prefix = f"{name!r} " if name else ""

@@ -35,7 +35,7 @@ treatment, wrapped when ``torch.distributed.fsdp._fully_shard._fsdp_state`` is i
 are bound methods taken by ``fully_shard``); the backward scope covers its post-backward
 reduce-scatter.
 
-Contract with the core (three call sites, all in fakegrad_patch/_patch.py):
+Contract with the core (three call sites, all in fakegrad_patch/_core/install.py):
 
 * ``install(resolved)``: when the patch is applied (``_Applied.__init__``, after
   ``_targets.resolve_all()``). Never raises; returns True when DDP is covered. A build where a DDP
@@ -58,7 +58,7 @@ from typing import Any
 
 import wrapt
 
-from . import trace
+from .. import trace
 
 
 class _State:
@@ -82,7 +82,7 @@ _state = _State()
 def install(resolved: Any = None) -> bool:
     """Wrap DDP's forward pieces now and FSDP2's when its module is imported (idempotent).
     False when DDP is left to upstream."""
-    from . import _targets
+    from . import targets as _targets
 
     with _state.lock:
         if _state.targets is not None:
@@ -124,7 +124,7 @@ def _wrap_fsdp() -> None:
     the pre-backward and post-backward registrations) like DDP's forward pieces. Its hooks are
     bound methods taken when ``fully_shard`` is called, so this must run before: at install when
     the module is loaded, else when it is imported. Never raises."""
-    from . import _targets
+    from . import targets as _targets
 
     with _state.lock:
         if _state.targets is None or _state.fsdp_wrapped:
@@ -163,7 +163,7 @@ def _warn_missing(reason: str, what: str = "DistributedDataParallel") -> None:
     if what in _state.warned:
         return
     _state.warned.add(what)
-    from ._patch import warn_once
+    from .state import warn_once
 
     warn_once(
         f"ddp:{what}",

@@ -29,7 +29,7 @@ propagated values equal to the real source's, **per converter**:
   uninitialised values, so everything its mode computed is untrusted: real gradients are not
   written for that mode (trace, warning, ``on_missing``), never silently wrong ones.
 
-Records are :class:`~fakegrad_patch._weak.WeakIdTable` s: O(1) per conversion at any size, and
+Records are :class:`~fakegrad_patch._core.weak.WeakIdTable` s: O(1) per conversion at any size, and
 they outlive ``uninstall()`` (a later installation reads them). No value is ever compared.
 """
 
@@ -40,9 +40,10 @@ from typing import Any
 
 import torch
 
-from . import _config, _leaves, trace
-from ._probes import D2, FOREIGN_FAKE, bypassed
-from ._weak import WeakIdTable
+from .. import _config, trace
+from . import leaves as _leaves
+from .probes import D2, FOREIGN_FAKE, bypassed
+from .weak import WeakIdTable
 
 #: converter -> (real source root -> (weak ref to the fake root, data pointer of its propagated
 #: storage, source version when synced))

@@ -76,7 +76,8 @@ def main(argv: list[str]) -> int:
     from torch._subclasses.fake_tensor import FakeTensor
 
     import fakegrad_patch
-    from fakegrad_patch import _trace_reader, trace
+    from fakegrad_patch import trace
+    from fakegrad_patch.trace import _reader as _trace_reader
 
     print(f"torch {torch.__version__}; model: conv + batchnorm + MLP, one SGD step, batch of 4")
     torch.manual_seed(1)

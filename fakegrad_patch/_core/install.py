@@ -1,22 +1,34 @@
-"""install() / uninstall(): the wrapt patch, applied lazily once torch is imported.
+"""install() / uninstall() / configure() / patched(): the wrapt patch, applied lazily once torch
+is imported, and the settings it follows.
 
 This module imports neither torch nor the torch-dependent modules at import time: ``import
 fakegrad_patch`` before ``import torch`` registers wrapt post-import hooks and returns. The patch
 is applied when ``torch`` has finished importing and ``torch._subclasses.fake_tensor`` is loaded.
+Without wrapt (a required dependency) it still imports: ``install()`` warns once, traces why and
+leaves torch untouched, so ``doctor`` can say so and the trace reader works.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-import warnings
+from collections.abc import Iterator
 from typing import Any
 
-import wrapt
+try:
+    import wrapt
+except ModuleNotFoundError as _exc:  # never break the host: refuse to patch, say why
+    if _exc.name != "wrapt":
+        raise
+    wrapt = None  # type: ignore[assignment]
+    _WRAPT_MISSING: ModuleNotFoundError | None = _exc
+else:
+    _WRAPT_MISSING = None
 
-from . import trace
-from ._errors import FakeGradPatchWarning
-from ._targets import FAKE_TENSOR_MODULE, FROM_REAL_TENSOR, MissingTargetError
+from .. import _config, trace
+from .state import set_current, warn_once
+from .targets import FAKE_TENSOR_MODULE, FROM_REAL_TENSOR, MissingTargetError
 
 _ATTR = FROM_REAL_TENSOR.qualname.rsplit(".", 1)[1]  # "from_real_tensor"
 
@@ -27,7 +39,6 @@ class _State:
         self.hooks_registered = False  # wrapt post-import hooks (once per process)
         self.applied: _Applied | None = None
         self.skipped_reason: str | None = None
-        self.warned: set[str] = set()
         #: (arming, post-accumulate hooks skipped, zero-copy baseline): measured at first need,
         #: once per process (a build's behaviour does not change between installations)
         self.prepared: tuple[bool, bool, Any] | None = None
@@ -39,15 +50,6 @@ _state = _State()
 _lock = threading.RLock()
 
 
-def warn_once(key: str, message: str) -> None:
-    """One FakeGradPatchWarning per ``key`` per process."""
-    with _lock:
-        if key in _state.warned:
-            return
-        _state.warned.add(key)
-    warnings.warn(message, FakeGradPatchWarning, stacklevel=3)
-
-
 def _torch_ready() -> bool:
     torch_mod = sys.modules.get("torch")
     if torch_mod is None or FAKE_TENSOR_MODULE not in sys.modules:
@@ -56,9 +58,14 @@ def _torch_ready() -> bool:
     return not getattr(spec, "_initializing", False)
 
 
+_NO_WRAPT = "wrapt is not installed; not patching"
+
+
 def install() -> bool:
     """Install the patch (idempotent). Returns True when it is applied now, False when it waits
     for torch to be imported or could not apply (see :func:`status`)."""
+    if wrapt is None:
+        return _refuse_without_wrapt()
     with _lock:
         _state.wanted = True
         if _state.applied is not None:
@@ -69,6 +76,25 @@ def install() -> bool:
             _state.hooks_registered = True
             wrapt.register_post_import_hook(_on_torch_imported, "torch")
         return _state.applied is not None
+
+
+def _refuse_without_wrapt() -> bool:
+    with _lock:
+        _state.wanted = True
+        first = _state.skipped_reason is None
+        _state.skipped_reason = _NO_WRAPT
+    if first:
+        torch_mod = sys.modules.get("torch")
+        version = str(getattr(torch_mod, "__version__", "not imported"))
+        warn_once(
+            "skip",
+            f"fakegrad_patch: {_NO_WRAPT} ({_WRAPT_MISSING}). Upstream behaviour is unchanged "
+            "(fake gradients can still reach real leaves); pip install wrapt.",
+            stacklevel=4,
+        )
+        if trace.enabled(trace.WARNING):
+            trace.emit("patch_skipped", trace.WARNING, torch=version, reason=_NO_WRAPT)
+    return False
 
 
 def _on_torch_imported(_module: Any) -> None:
@@ -89,6 +115,7 @@ def _apply_now() -> None:
 
     try:
         _state.applied = _Applied()
+        set_current(_state.applied)
         _state.skipped_reason = None
     except MissingTargetError as exc:
         _skip(_why_missing(exc, torch.__version__), torch.__version__)
@@ -108,7 +135,7 @@ def _apply_now() -> None:
 def _why_missing(exc: MissingTargetError, torch_version: str) -> str:
     """Builds older than the oldest supported one lack propagation altogether: say that, not
     "internals changed"."""
-    from ._targets import PROPAGATE_CONFIG, TESTED_TORCH
+    from .targets import PROPAGATE_CONFIG, TESTED_TORCH
 
     release = tuple(int(p) for p in torch_version.split("+")[0].split(".")[:2] if p.isdigit())
     oldest = tuple(int(p) for p in TESTED_TORCH[0].split(".")[:2])
@@ -138,6 +165,7 @@ def uninstall() -> bool:
     with _lock:
         _state.wanted = False
         applied, _state.applied = _state.applied, None
+        set_current(None)
     if applied is None:
         return False
     left = applied.remove()
@@ -153,7 +181,7 @@ def release_hooks() -> int:
     nothing to release. What can remain: hooks armed by ``uninstall()`` for graphs built while
     the patch was installed (they die with their graph), and the hooks of backward calls running
     in other threads right now (those then finish with upstream behaviour)."""
-    arming = sys.modules.get(__package__ + "._arming")
+    arming = sys.modules.get(__package__ + ".arming")
     removed = arming.release_all() if arming is not None else 0
     if trace.enabled(trace.INFO):
         trace.emit("hooks_released", trace.INFO, hooks_removed=removed)
@@ -171,7 +199,9 @@ def status() -> dict[str, Any]:
     return {
         "wanted": _state.wanted,
         "installed": applied is not None,
-        "waiting_for_torch": _state.wanted and applied is None and not _torch_ready(),
+        "waiting_for_torch": (
+            _state.wanted and applied is None and wrapt is not None and not _torch_ready()
+        ),
         "skipped_reason": _state.skipped_reason,
         "armed_leaves": _armed_count(),
         "defects": applied.probes.known() if applied else {},
@@ -185,7 +215,7 @@ def status() -> dict[str, Any]:
 
 def _armed_count() -> int:
     """Hooks of the patch on live nodes, armed by this or an earlier installation."""
-    arming = sys.modules.get(__package__ + "._arming")
+    arming = sys.modules.get(__package__ + ".arming")
     return arming.armed_count() if arming is not None else 0
 
 
@@ -200,6 +230,36 @@ def settings_changed() -> None:
         applied.apply_settings()
 
 
+def configure(*, on_missing: Any = None, buffers: Any = None) -> _config.Settings:
+    """``fakegrad_patch.configure`` (see its docstring): change settings for the whole process and
+    return the previous ones."""
+    previous = _config.update(on_missing=on_missing, buffers=buffers)
+    settings_changed()
+    return previous
+
+
+def settings() -> _config.Settings:
+    """The settings in force."""
+    return _config.current()
+
+
+@contextlib.contextmanager
+def patched(*, on_missing: Any = None, buffers: Any = None) -> Iterator[None]:
+    """``fakegrad_patch.patched`` (see its docstring): installed, with these settings, inside the
+    block; the previous state exactly afterwards."""
+    was_installed = is_installed()
+    previous = _config.update(on_missing=on_missing, buffers=buffers)
+    install()
+    settings_changed()
+    try:
+        yield
+    finally:
+        _config.restore(previous)
+        settings_changed()
+        if not was_installed:
+            uninstall()
+
+
 class _Applied:
     """One application of the patch: the two wrappers and the objects they drive.
 
@@ -212,17 +272,15 @@ class _Applied:
     def __init__(self) -> None:
         import torch
 
-        from . import (
-            _accumulate,
-            _arming,
-            _fakeleaves,
-            _leaves,
-            _mismatch,
-            _probes,
-            _targets,
-            _values,
-            _writeback,
-        )
+        from . import accumulate as _accumulate
+        from . import arming as _arming
+        from . import fakeleaves as _fakeleaves
+        from . import leaves as _leaves
+        from . import mismatch as _mismatch
+        from . import probes as _probes
+        from . import targets as _targets
+        from . import values as _values
+        from . import writeback as _writeback
 
         self._torch = torch
         self.resolved = _targets.resolve_all()
@@ -255,7 +313,7 @@ class _Applied:
         wrapt.wrap_function_wrapper(autograd, "backward", self.arming.backward)
         self._backward_wrapper: Any = autograd.backward
 
-        from . import _ddp
+        from . import ddp as _ddp
 
         self._ddp = _ddp
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
@@ -271,7 +329,7 @@ class _Applied:
             _state.dynamo_skip = True
             # dynamo never compiles the patch's frames, nor those of wrapt's import finder (it
             # sees every import once a post-import hook is registered)
-            _targets.skip_in_dynamo(__package__, "wrapt")
+            _targets.skip_in_dynamo(__package__.partition(".")[0], "wrapt")
 
     # -- first need: probes D1 and P1, zero-copy calibration ------------------------------------
 
@@ -292,7 +350,7 @@ class _Applied:
         return arming
 
     def _prepare(self) -> tuple[bool, bool, Any]:
-        from ._probes import D1, POST_HOOKS
+        from .probes import D1, POST_HOOKS
 
         if not self.probes.has(D1):
             if trace.enabled(trace.INFO):
@@ -313,7 +371,7 @@ class _Applied:
         gradient nobody else holds (``(w * w).sum()``), once for one the caller keeps and autograd
         hands on unchanged (``w.clone().backward(g)``). The first is the baseline; when the second
         is not told apart from it, zero-copy stays off."""
-        from ._accumulate import AdoptBaseline
+        from .accumulate import AdoptBaseline
 
         torch = self._torch
         r = self.resolved
@@ -353,8 +411,6 @@ class _Applied:
     def apply_settings(self) -> None:
         """Follow the settings that need wrappers: ``buffers="write_back"`` wraps
         ``FakeTensorMode.dispatch`` while it is on (never raises)."""
-        from . import _config
-
         want = _config.current().buffers == "write_back"
         try:
             if want and not self.write_back.enabled:
@@ -391,7 +447,7 @@ class _Applied:
         backward calls running now keep their hooks until they return, and the leaves of every
         live propagating converter's records get hooks that last until their node dies. Returns
         how many hooks are left to finish."""
-        from . import _values
+        from . import values as _values
 
         self._active = False
         self.values.active = False

@@ -1,0 +1,44 @@
+"""What every layer of the core may read: the one warning per process, and the installation now
+in force.
+
+This module sits below everything else in ``fakegrad_patch._core`` (it imports nothing of the
+package), so that the lower layers (accumulate, write-back, DDP, fake leaves) can warn once and
+find the current installation without importing :mod:`~fakegrad_patch._core.install`, which builds
+them: the package's imports then run one way (activation -> install -> arming/values/accumulate ->
+registries/targets; tests/test_layout.py checks it).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+from .._errors import FakeGradPatchWarning
+
+_lock = threading.Lock()
+#: keys of the warnings already shown in this process (tests discard one to see it again)
+WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str, *, stacklevel: int = 3) -> None:
+    """One FakeGradPatchWarning per ``key`` per process."""
+    with _lock:
+        if key in WARNED:
+            return
+        WARNED.add(key)
+    warnings.warn(message, FakeGradPatchWarning, stacklevel=stacklevel)
+
+
+class _Current:
+    #: the installation in force (an ``install._Applied``), or None
+    applied: Any = None
+
+
+def current() -> Any:
+    """The installation in force (``install._Applied``), or None when the patch is not applied."""
+    return _Current.applied
+
+
+def set_current(applied: Any) -> None:
+    _Current.applied = applied
