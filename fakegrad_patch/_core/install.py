@@ -286,6 +286,10 @@ class _Applied:
         self.resolved = _targets.resolve_all()
         self.probes = _probes.Probes(self.resolved)
         self.write_back = _writeback.WriteBack(self.resolved, self)
+        try:
+            self.write_back.watch_modes()
+        except Exception as exc:  # never break the host: dispatch is wrapped at first conversion
+            self.internal_error("write_back", exc)
         self.values = _values.Values(self.resolved, self.probes, self)
         self.materializer = _accumulate.Materializer(
             self.resolved,
@@ -454,7 +458,7 @@ class _Applied:
         self.arming.active = False
         self._ddp.remove()
         try:
-            self.write_back.disable()
+            self.write_back.remove()
         except Exception as exc:  # never break the host
             self.internal_error("uninstall", exc)
         self._unwrap(self._cls, _ATTR, self._wrapper, self._original, self._had_own_attr)

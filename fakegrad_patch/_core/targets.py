@@ -241,8 +241,10 @@ DYNAMO_SKIP = Target(
     "optional: dynamo never compiles the patch's own frames",
 )
 
-#: WRAPPED, OPTIONAL, only while ``buffers="write_back"`` is on (fakegrad_patch/_core/writeback.py;
-#: never wrapped otherwise). ``FakeTensorMode.dispatch(self, func, types, args=(), kwargs=...)``:
+#: WRAPPED, OPTIONAL, from the first propagating user mode on (its construction, FAKE_MODE_INIT,
+#: or its first conversion) until ``uninstall()`` (fakegrad_patch/_core/writeback.py; never wrapped
+#: in a process whose modes never propagate real values).
+#: ``FakeTensorMode.dispatch(self, func, types, args=(), kwargs=...)``:
 #: the entry of every op the mode handles (``__torch_dispatch__`` calls it positionally; the
 #: nested ops of decompositions, ``func.decompose`` and Python meta/fake implementations that
 #: ``_dispatch_impl`` runs ``with self`` come back through it). Wrapped to know, per thread and
@@ -255,6 +257,20 @@ FAKE_MODE_DISPATCH = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorMode.dispatch",
     "optional: buffers='write_back' (the outermost op of a mode)",
+)
+
+#: WRAPPED, OPTIONAL. ``FakeTensorMode.__init__``: a mode reads
+#: ``fake_tensor_propagate_real_tensors`` when it is built (``self.propagate_real_tensors``). The
+#: wrapper (fakegrad_patch/_core/writeback.py) calls upstream's first and, when the new mode
+#: propagates real values and has no ShapeEnv (a user's mode, not a tracer's), wraps
+#: ``dispatch`` (FAKE_MODE_DISPATCH) before the mode's first op, so that every in-place update
+#: of a real tensor the mode makes is seen from its first op. Same attribute names on 2.13.0
+#: and 2.14.1. Absent: ``dispatch`` is wrapped at the first propagating conversion instead (the
+#: very first op's direct writes are still seen through the converting frame).
+FAKE_MODE_INIT = Target(
+    FAKE_TENSOR_MODULE,
+    "FakeTensorMode.__init__",
+    "optional: watch in-place updates from a propagating mode's first op",
 )
 
 #: WRAPPED, OPTIONAL. ``MetadataMismatchError`` (a dataclass ``RuntimeError`` with ``reason``):
@@ -288,6 +304,7 @@ ALL_TARGETS: tuple[Target, ...] = (
     GRAPH_TASK_ID,
     FUNCTORCH_STACK,
     FAKE_MODE_DISPATCH,
+    FAKE_MODE_INIT,
     METADATA_MISMATCH_ERROR,
 )
 
@@ -301,6 +318,7 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
         SHOULD_ALLOW_NUMBERS,
         FUNCTORCH_STACK,
         FAKE_MODE_DISPATCH,
+        FAKE_MODE_INIT,
         METADATA_MISMATCH_ERROR,
     }
 )
@@ -376,6 +394,7 @@ class Resolved:
     post_accumulate_hooks: Callable[[Any], Any]
     ordinary_dispatch: Callable[[], Any]
     op_ran_for_real: Callable[[], bool | None]
+    dispatching_op: Callable[[], tuple[Any, Any, Any] | None]
     torch_is_tracing: Callable[[], bool]
     described_tensors: Callable[[Any], Any]
     conversions_made: Callable[[Any], int | None]
@@ -402,6 +421,7 @@ def resolve_all() -> Resolved:
         grad_accumulator=_make_grad_accumulator_getter(),
         ordinary_dispatch=_make_ordinary_dispatch(),
         op_ran_for_real=_make_op_ran_for_real(module.FakeTensorMode),
+        dispatching_op=_make_dispatching_op(module.FakeTensorMode),
         tensor_use_count=resolve(TENSOR_USE_COUNT),
         is_fake=_make_is_fake(fake_cls),
         real_of=_make_real_of(),
@@ -576,6 +596,33 @@ def _make_op_ran_for_real(mode_cls: type) -> Callable[[], bool | None]:
         return None
 
     return op_ran_for_real
+
+
+def _make_dispatching_op(mode_cls: type) -> Callable[[], tuple[Any, Any, Any] | None]:
+    """``dispatching_op()``, called from inside a conversion: ``(func, args, kwargs)`` of the op
+    the converting ``FakeTensorMode._dispatch_impl`` frame dispatches (its locals before it
+    deletes ``args``/``kwargs``), or None where unreadable. Used only for the conversions of an
+    op that started before ``FakeTensorMode.dispatch`` was wrapped (the first op of the first
+    propagating mode): is the tensor one the op writes? Same locals as ``op_ran_for_real``
+    (2.13.0, 2.14.1, 2.15.0)."""
+    import sys
+
+    def dispatching_op() -> tuple[Any, Any, Any] | None:
+        frame: Any = sys._getframe(1)
+        for _ in range(12):
+            if frame is None:
+                return None
+            if frame.f_code.co_name == "_dispatch_impl" and isinstance(
+                frame.f_locals.get("self"), mode_cls
+            ):
+                local = frame.f_locals
+                if "func" not in local or "args" not in local:
+                    return None
+                return local["func"], local["args"], local.get("kwargs")
+            frame = frame.f_back
+        return None
+
+    return dispatching_op
 
 
 def _resolve_optional(target: Target) -> Any:

@@ -157,6 +157,9 @@ class Values:
                 _made.set(conv, made)
 
     def _propagating(self, conv: Any, mode: Any, t: Any, fake: Any, op_input: bool) -> None:
+        write_back = self._write_back
+        if not write_back.observing:
+            write_back.observe()  # first need: in-place updates of real tensors are watched
         if _contacts.get(conv) != _Generation.value:
             self._contact(conv, mode, t)
         self._note_made(conv)
@@ -172,6 +175,9 @@ class Values:
             self._record_seen(conv, t, fake, fake.real_tensor)  # write-back: fake aliases t
         else:
             self._sync(conv, fake, t)
+        if op_input and not self._is_fake(t):
+            # an op that writes t: does the update reach it (alias), or only the copy (report)?
+            write_back.op_input(mode, t, fake)
         # grad-copy fidelity (probe D4) and mirror_to_sources (issue 7)
         self._applied.fake_leaves.on_convert(mode, t, fake)
 

@@ -59,9 +59,13 @@ class _Frame:
         "aliased",
         "arguments",
         "depth",
+        "direct",
+        "keep",
+        "lost",
         "mode",
         "nested",
         "op",
+        "param_swaps",
         "real_ok",
         "scanned",
         "swaps",
@@ -90,10 +94,24 @@ class _Frame:
         self.real_ok = True
         #: (fake, its propagated values before, the shadow given to nested ops)
         self.swaps: list[tuple[Any, Any, Any]] = []
+        #: id -> real tensor, for the real tensors the op's schema writes (the op's own
+        #: arguments: ``p.grad.zero_()``, ``param.add_(...)``, ``out=``, ``Tensor(a!)[]`` lists)
+        self.direct: dict[int, Any] = {}
+        #: id -> (real tensor, the op that wrote only its fake copy): reported when the op returns
+        self.lost: dict[int, tuple[Any, str]] = {}
+        #: the converted fakes of this op's real arguments that hold private copies, alive until
+        #: the op returns (its view outputs then keep the stand-in records)
+        self.keep: list[Any] = []
+        #: (fake, its propagated values before): parameters aliased for this op only
+        self.param_swaps: list[tuple[Any, Any]] = []
 
 
 class WriteBack:
-    """One installation's write-back machinery (inactive until :meth:`enable`)."""
+    """One installation's in-place machinery: reports (always) and write-back (opt-in).
+
+    ``FakeTensorMode.dispatch`` is wrapped at first need, the first op input a propagating user
+    mode converts (:meth:`observe`), or when write-back is turned on; until then nothing here
+    runs. Wrapped, it returns at once for modes without real values or with a ShapeEnv."""
 
     def __init__(self, resolved: Any, applied: Any) -> None:
         self._r = resolved
@@ -109,17 +127,30 @@ class WriteBack:
         self._refused: WeakIdTable[bool] = WeakIdTable()
         #: aliased storage data pointer -> weak reference to the real tensor that owns it
         self._storages: dict[int, Any] = {}
+        #: storage data pointer of a propagated private copy -> (weak ref to the fake root
+        #: that owns it, weak ref to the real root it stands in for): a write to any fake over
+        #: that storage (the converted tensor, a view of it, a nested op's argument) is an
+        #: update that reaches only the copy
+        self._stand_ins: dict[int, _StandIn] = {}
+        #: write-back semantics on (``buffers="write_back"``)
         self.enabled = False
+        #: ``FakeTensorMode.dispatch`` wrapped (reports; write-back when enabled)
+        self.observing = False
         self._wrapper: Any = None
+        self._init_wrapper: Any = None
+        self._step_hook: Any = None
 
     # -- on / off --------------------------------------------------------------------------------
 
-    def enable(self) -> bool:
-        """Wrap ``FakeTensorMode.dispatch``; False (write-back unavailable) when it is missing."""
+    def observe(self) -> bool:
+        """Wrap ``FakeTensorMode.dispatch`` (idempotent, thread-safe); False where it is
+        missing (then in-place updates are reported only where the converter sees them)."""
+        if self.observing:
+            return True
         import wrapt
 
         with self._lock:
-            if self.enabled:
+            if self.observing:
                 return True
             cls = self._r.fake_mode_cls
             name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
@@ -129,29 +160,83 @@ class WriteBack:
                 return False
             wrapt.wrap_function_wrapper(cls, name, self.dispatch)
             self._wrapper = cls.__dict__[name]
+            self.observing = True
+        return True
+
+    def watch_modes(self) -> None:
+        """Wrap ``FakeTensorMode.__init__`` (optional target): a propagating user mode makes
+        :meth:`observe` happen before its first op."""
+        import wrapt
+
+        cls = self._r.fake_mode_cls
+        if _targets._resolve_optional(_targets.FAKE_MODE_INIT) is None:
+            return
+        if "__init__" not in cls.__dict__ or self._init_wrapper is not None:
+            return
+        wrapt.wrap_function_wrapper(cls, "__init__", self._mode_init)
+        self._init_wrapper = cls.__dict__["__init__"]
+
+    def _mode_init(
+        self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        result = wrapped(*args, **kwargs)
+        if (
+            not self.observing
+            and getattr(instance, "propagate_real_tensors", False)
+            and getattr(instance, "shape_env", None) is None
+        ):
+            try:
+                self.observe()
+            except Exception as exc:  # never break the host
+                self._applied.internal_error("write_back", exc)
+        return result
+
+    def enable(self) -> bool:
+        """Write-back on; False (write-back unavailable) when ``dispatch`` is missing."""
+        if not self.observe():
+            return False
+        with self._lock:
+            if self.enabled:
+                return True
             self.enabled = True
+            self._step_hook = _register_step_hook(self._after_optimizer_step)
         if trace.enabled(trace.INFO):
             trace.emit("write_back_enabled", trace.INFO)
         return True
 
     def disable(self) -> int:
-        """Unwrap ``dispatch`` and give every aliased fake a private copy again (upstream
-        semantics from now on). Returns how many fakes were un-aliased."""
+        """Write-back off: every aliased fake gets a private copy again (upstream semantics from
+        now on; ``dispatch`` stays wrapped for the reports). Returns how many fakes were
+        un-aliased."""
         with self._lock:
             if not self.enabled:
                 return 0
             self.enabled = False
-            wrapper, self._wrapper = self._wrapper, None
-            name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
-            # the patch's one unwrap rule: put upstream's back, unless somebody wrapped over us
-            self._applied._unwrap(self._r.fake_mode_cls, name, wrapper, None, True)
+            hook, self._step_hook = self._step_hook, None
             aliased = list(self._aliases.items())
             self._aliases.clear()
             self._storages.clear()
+        if hook is not None:
+            hook.remove()
         count = sum(self._unalias(fake, real) for fake, real in aliased)
         if trace.enabled(trace.INFO):
             trace.emit("write_back_disabled", trace.INFO, unaliased=count)
         return count
+
+    def remove(self) -> None:
+        """``uninstall()``: write-back off, ``dispatch`` and ``__init__`` unwrapped."""
+        self.disable()
+        init, self._init_wrapper = self._init_wrapper, None
+        if init is not None:
+            self._applied._unwrap(self._r.fake_mode_cls, "__init__", init, None, True)
+        with self._lock:
+            if not self.observing:
+                return
+            self.observing = False
+            wrapper, self._wrapper = self._wrapper, None
+            name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
+            # the patch's one unwrap rule: put upstream's back, unless somebody wrapped over us
+            self._applied._unwrap(self._r.fake_mode_cls, name, wrapper, None, True)
 
     # -- the dispatch wrapper -------------------------------------------------------------------
 
@@ -165,7 +250,7 @@ class WriteBack:
         self, wrapped: Any, mode: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         if (
-            not self.enabled
+            not self.observing
             or not getattr(mode, "propagate_real_tensors", False)
             or getattr(mode, "shape_env", None) is not None
         ):
@@ -188,16 +273,23 @@ class WriteBack:
             if written:
                 self._guarded(self._enter, frame, written)
             stack.append(frame)
+            ok = False
             try:
-                return wrapped(*args, **kwargs)
+                result = wrapped(*args, **kwargs)
+                ok = True
+                if self._stand_ins and _is_view_op(func):
+                    self._guarded(self._views_of_stand_ins, func, result)
+                return result
             finally:
                 stack.pop()
-                if frame.written or frame.swaps:
+                if frame.written or frame.swaps or frame.param_swaps:
                     self._guarded(self._finish, frame)
+                if ok and frame.lost:
+                    self._guarded(self._report_lost, frame, func)
         frame.depth += 1
         try:
             if written:
-                self._guarded(self._shadow, frame, written, op_args, op_kwargs)
+                self._guarded(self._nested_write, frame, func, written, op_args, op_kwargs)
             return wrapped(*args, **kwargs)
         finally:
             frame.depth -= 1
@@ -240,18 +332,77 @@ class WriteBack:
                 frame.arguments.add(ptr)
 
     def _enter(self, frame: _Frame, written: Any) -> None:
-        """The outermost op's schema writes arguments: note them (a parameter is reported)."""
-        self._scan(frame)
+        """The outermost op's schema writes arguments: the real ones are noted (their
+        conversion decides whether the update reaches them); with write-back on, where their
+        values are (for the shadows and the trace)."""
+        if self.enabled:
+            self._scan(frame)
         for t in _written_tensors(written, *frame.op):
             if self._is_fake(t):
                 ptr = _storage(t.real_tensor)
-            elif t.requires_grad:
-                self._parameter_written(t)
-                ptr = None
-            else:
+                if ptr is None:
+                    continue
+                if self.enabled:
+                    frame.written.add(ptr)
+                if self._stand_ins:
+                    self._fake_written(frame, ptr, "")
+            elif t.layout == torch.strided and t.device.type != "meta":
+                frame.direct[id(t)] = t
                 ptr = _storage(t)
-            if ptr is not None:
-                frame.written.add(ptr)
+                if self.enabled and ptr is not None and not t.requires_grad:
+                    frame.written.add(ptr)
+
+    def _nested_write(
+        self, frame: _Frame, func: Any, written: Any, op_args: Any, op_kwargs: Any
+    ) -> None:
+        """A nested op (a decomposition or meta implementation that FakeTensorMode runs under
+        the mode) writes tensors. One over the propagated copy of a real tensor is an update of
+        that real tensor (``native_batch_norm``'s running statistics: its schema does not mark
+        them written): write-back shadows it when it aliases (:meth:`_shadow`); a copy's update
+        is lost, and reported."""
+        if self.enabled:
+            self._shadow(frame, written, op_args, op_kwargs)
+        if not self._stand_ins:
+            return
+        for t in _written_tensors(written, op_args, op_kwargs):
+            if self._is_fake(t):
+                ptr = _storage(t.real_tensor)
+                if ptr is not None:
+                    self._fake_written(frame, ptr, str(func))
+
+    def _fake_written(self, frame: _Frame, ptr: int, via: str) -> None:
+        """A fake over storage ``ptr`` is written: when that is a real tensor's private copy,
+        the update is lost (reported when the outer op returns)."""
+        entry = self._stand_ins.get(ptr)
+        real_root = entry.real(ptr) if entry is not None else None
+        if real_root is not None and id(real_root) not in frame.lost:
+            frame.lost[id(real_root)] = (real_root, via)
+
+    def _stand_in(self, t: Any, fake: Any, real: Any) -> None:
+        """``fake`` (converted from the real op input ``t``) holds a private copy: remember its
+        storage, so writes to it (or to views of it) are known as lost updates of ``t``."""
+        fake_root = fake._base if fake._base is not None else fake
+        copy_root = getattr(fake_root, "real_tensor", None)
+        ptr = _storage(copy_root) if copy_root is not None else None
+        if ptr is None:
+            return
+        entry = self._stand_ins.get(ptr)
+        root = t._base if t._base is not None else t
+        if entry is None or entry.real(ptr) is not root:
+            entry = self._stand_ins[ptr] = _StandIn(root, ptr, self._stand_ins)
+        entry.hold(fake_root)
+
+    def _views_of_stand_ins(self, func: Any, result: Any) -> None:
+        """A view op returned fakes over a stand-in's storage (``w.detach()``, ``g[0]``): they
+        keep the record alive (the converted fake itself may die first)."""
+        for out in result if isinstance(result, list | tuple) else (result,):
+            if self._is_fake(out):
+                ptr = _storage(getattr(out, "real_tensor", None))
+                if ptr is None:
+                    continue
+                entry = self._stand_ins.get(ptr)
+                if entry is not None and entry.real(ptr) is not None:
+                    entry.hold(out)
 
     def _shadow(self, frame: _Frame, written: Any, op_args: Any, op_kwargs: Any) -> None:
         """A nested op (a decomposition or meta implementation that FakeTensorMode runs under
@@ -288,9 +439,13 @@ class WriteBack:
         (Version counters cannot tell what was written: the real run of an op bumps the alias's
         version, as eager does, only where the op's schema marks the argument written, and
         ``native_batch_norm``'s does not mark its running statistics.)"""
-        if frame.swaps:
+        if frame.swaps or frame.param_swaps:
             with self._r.no_dispatch():
                 for fake, before, _shadow in reversed(frame.swaps):
+                    fake.real_tensor = before
+                # A parameter's fake goes back to its own copy: the values machinery re-syncs
+                # it from the real parameter (whose version moved) at its next conversion.
+                for fake, before in reversed(frame.param_swaps):
                     fake.real_tensor = before
         for ptr in frame.written:
             real = frame.aliased.get(ptr)
@@ -315,23 +470,90 @@ class WriteBack:
                     reason="the op had no real values (an argument without propagated values)",
                 )
 
-    def _parameter_written(self, t: Any) -> None:
-        if trace.enabled(trace.WARNING):
-            trace.emit(
-                "buffer_not_written_back",
-                trace.WARNING,
-                **_leaves.leaf_fields(t),
-                reason="requires grad (a parameter updated in place inside the mode)",
-            )
-        warn_once(
-            "write_back:parameter",
-            "fakegrad_patch: buffers='write_back': a tensor that requires grad (a parameter) was "
-            "updated in place inside a propagating FakeTensorMode; only its fake copy changed "
-            "(parameters are never aliased). Step optimizers outside the mode, as in "
-            "docs/configuration.md.",
-        )
+    # -- reports: updates that did not reach the real tensor ------------------------------------
+
+    def _report_lost(self, frame: _Frame, func: Any) -> None:
+        """The outer op returned having updated only fake copies of these real tensors."""
+        op = str(func)
+        for real, via in frame.lost.values():
+            report_lost(real, op, via, self.enabled)
 
     # -- conversions (called by _values for op inputs of a propagating mode) --------------------
+
+    def op_input(self, mode: Any, t: Any, fake: Any) -> None:
+        """``t`` (real) was converted as an op input of ``mode`` (propagating) and the values
+        machinery has decided what its fake holds. When the op being dispatched writes ``t``
+        (its schema says so) and the fake's values are not ``t`` itself, the update would reach
+        only the copy: with write-back on, a parameter updated under ``no_grad`` (an optimizer
+        step, a max-norm renormalisation) is aliased for this op; otherwise it is lost and
+        reported when the op returns."""
+        real = fake.real_tensor
+        if real is None or real.layout != torch.strided or t.layout != torch.strided:
+            return
+        if _storage(real) == _storage(t):
+            return  # aliased (write-back, a managed .grad): updates reach t
+        self._stand_in(t, fake, real)
+        stack: list[_Frame] | None = getattr(self._tls, "stack", None)
+        frame = stack[-1] if stack else None
+        if frame is None or frame.mode is not mode:
+            self._unobserved_op_input(mode, t, fake)
+            return
+        frame.keep.append(fake)
+        if frame.depth != 0 or id(t) not in frame.direct:
+            return
+        if self._r.op_ran_for_real():
+            return  # upstream ran the op on the real arguments first (constant propagation)
+        if (
+            self.enabled
+            and t.requires_grad
+            and not torch.is_grad_enabled()
+            and self._alias_parameter(frame, t, fake, real)
+        ):
+            return
+        frame.lost[id(t)] = (t, "")
+
+    def _unobserved_op_input(self, mode: Any, t: Any, fake: Any) -> None:
+        """No frame of ``mode`` on this thread: the op started before ``dispatch`` was wrapped
+        (the very first op of the first propagating mode). The converting frame tells the op."""
+        found = self._r.dispatching_op()
+        if found is None:
+            return
+        func, op_args, op_kwargs = found
+        written = self._written_args(func)
+        if not written:
+            return
+        if (
+            any(w is t for w in _written_tensors(written, op_args, op_kwargs or {}))
+            and not self._r.op_ran_for_real()
+        ):
+            report_lost(t, str(func), "", self.enabled)
+
+    def _alias_parameter(self, frame: _Frame, t: Any, fake: Any, real: Any) -> bool:
+        """Write-back: a tensor that requires grad, written by this op under ``no_grad``: its
+        fake's values are ``t`` itself for this op only (then its own copy again, re-synced at
+        its next conversion), so the update reaches ``t`` once, as in eager mode."""
+        if (
+            type(t) not in (torch.Tensor, torch.nn.Parameter)
+            or t._base is not None
+            or real.layout != torch.strided
+            or real.dtype != t.dtype
+            or real.shape != t.shape
+            or real.stride() != t.stride()
+            or real.storage_offset() != t.storage_offset()
+        ):
+            return False
+        ptr = _storage(t)
+        if ptr is None:
+            return False
+        with self._r.no_dispatch():
+            fake.real_tensor = t.detach()
+        frame.param_swaps.append((fake, real))
+        if not frame.scanned:
+            self._scan(frame)
+        frame.arguments.add(ptr)
+        frame.aliased[ptr] = t
+        frame.written.add(ptr)
+        return True
 
     def convert(self, mode: Any, t: Any, fake: Any, op_input: bool) -> bool:
         """A real tensor that does not require grad was converted by a propagating mode: as an
@@ -421,6 +643,155 @@ class WriteBack:
         if owner is None or _storage(owner) != ptr:
             return None
         return owner
+
+    # -- optimizer state created inside the mode ------------------------------------------------
+
+    def _after_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """Write-back: an optimizer step made inside a propagating mode creates its state there
+        (SGD's momentum buffer, Adam's moments): FakeTensors. Their propagated values become
+        real tensors in the optimizer's state, so later steps (inside the mode or not) update
+        real state, as in eager mode. A fake without values stays, and is reported."""
+        try:
+            state = optimizer.state
+            for param, entries in list(state.items()):
+                for key, value in list(entries.items()):
+                    if not self._is_fake(value):
+                        continue
+                    mode = getattr(value, "fake_mode", None)
+                    if not getattr(mode, "propagate_real_tensors", False):
+                        continue
+                    real = value.real_tensor
+                    if real is None:
+                        report_lost(param, f"optimizer state {key!r}", "no real values", True)
+                        continue
+                    with self._r.no_dispatch(), torch.no_grad():
+                        entries[key] = _private_copy(real)
+                    if trace.enabled(trace.INFO):
+                        trace.emit(
+                            "optimizer_state_materialized",
+                            trace.INFO,
+                            **_leaves.leaf_fields(param),
+                            key=str(key),
+                            bytes=real.numel() * real.element_size(),
+                        )
+        except Exception as exc:  # never break the host's training step
+            self._applied.internal_error("write_back", exc)
+
+
+def _register_step_hook(hook: Any) -> Any:
+    """``torch.optim.optimizer.register_optimizer_step_post_hook`` (public; every optimizer),
+    or None where absent."""
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+    except ImportError:
+        return None
+    return register_optimizer_step_post_hook(hook)
+
+
+def kind_of(t: Any) -> str:
+    """How a report names what was lost: ``parameter`` (requires grad), ``gradient`` (a real
+    ``.grad`` the patch knows), ``buffer`` (named by ``name_parameters``), else ``tensor``."""
+    if t.requires_grad:
+        return "parameter"
+    if _leaves.has_managed_grads() and _leaves.managed_grad(t):
+        return "gradient"
+    if _leaves.name_of(t) is not None:
+        return "buffer"
+    return "tensor"
+
+
+_FIX = {
+    "parameter": (
+        "buffers='write_back' writes in-place updates of a parameter made under "
+        "torch.no_grad() by an op that takes the parameter itself (optimizer steps) to the real "
+        "parameter; or step the optimizer after the `with FakeTensorMode(...)` block"
+    ),
+    "other": (
+        "buffers='write_back' (fakegrad_patch.configure, FAKEGRAD_BUFFERS=write_back) writes "
+        "in-place updates of real tensors that do not require grad (buffers, .grad, optimizer "
+        "and scaler state) back; or make the update outside the mode"
+    ),
+    "write_back": (
+        "make this update outside the `with FakeTensorMode(...)` block (write-back covers "
+        "tensors that do not require grad, and parameters updated under torch.no_grad() by an "
+        "op that takes the parameter itself, not a view or a .detach() of it)"
+    ),
+}
+
+
+def report_lost(real: Any, op: str, via: str, write_back: bool) -> None:
+    """One ``update_lost`` event (warning) and one warning per process."""
+    kind = kind_of(real)
+    fix = _FIX["write_back" if write_back else "parameter" if kind == "parameter" else "other"]
+    if trace.enabled(trace.WARNING):
+        fields = _leaves.leaf_fields(real)
+        fields.update(
+            kind=kind,
+            op=op,
+            bytes=real.numel() * real.element_size(),
+            fix=fix,
+        )
+        if via:
+            fields["via"] = via
+        trace.emit_fields("update_lost", trace.WARNING, fields)
+    name = _leaves.name_of(real)
+    what = f"{kind} {name!r}" if name else f"a real {kind} of shape {list(real.shape)}"
+    warn_once(
+        "update_lost",
+        f"fakegrad_patch: an in-place update of {what} ({op}) inside a propagating "
+        "FakeTensorMode reached only its fake copy: the real tensor kept its old value. "
+        f"Fix: {fix}. Every such update is traced (`update_lost`; `python -m fakegrad_patch "
+        "trace`).",
+    )
+
+
+class _StandIn:
+    """The fakes (a converted fake, views of it) whose propagated values are one private copy of
+    a real tensor: weakly held; the record dies with the last of them (or with the tensor)."""
+
+    __slots__ = ("__weakref__", "_forget", "holders", "root")
+
+    def __init__(self, root: Any, ptr: int, table: dict[int, Any]) -> None:
+        self.root = weakref.ref(root)
+        self.holders: list[Any] = []
+        me = weakref.ref(self)
+
+        def forget(_ref: Any, ptr: int = ptr) -> None:
+            entry = me()
+            if entry is None:
+                return
+            entry.holders = [h for h in entry.holders if h() is not None]
+            if not entry.holders and table.get(ptr) is entry:
+                del table[ptr]
+
+        self._forget = forget
+
+    def hold(self, fake: Any) -> None:
+        for ref in self.holders:
+            if ref() is fake:
+                return
+        self.holders.append(weakref.ref(fake, self._forget))
+
+    def real(self, ptr: int) -> Any:
+        """The real tensor, while a holder still has its values over ``ptr``; else None."""
+        root = self.root()
+        if root is None:
+            return None
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None and _storage(getattr(holder, "real_tensor", None)) == ptr:
+                return root
+        return None
+
+
+_VIEW_OPS: dict[Any, bool] = {}
+
+
+def _is_view_op(func: Any) -> bool:
+    view = _VIEW_OPS.get(func)
+    if view is None:
+        view = _VIEW_OPS[func] = bool(getattr(func, "is_view", False))
+    return view
 
 
 def _op_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:

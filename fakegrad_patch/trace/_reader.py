@@ -76,6 +76,9 @@ KNOWN_EVENTS = frozenset(
         "buffer_written_back",
         "buffer_not_written_back",
         "propagation_mismatch",
+        # issue 25: in-place updates of real tensors inside the mode
+        "update_lost",
+        "optimizer_state_materialized",
     }
 )
 ACTIONS = ("set", "accumulate", "drop", "error", "keep")
@@ -193,6 +196,9 @@ class Process:
     buffers_written: int = 0
     buffer_bytes: int = 0
     buffers_not_written: int = 0
+    #: in-place updates of real tensors that reached only a fake copy: (kind, op) -> count
+    updates_lost: Counter[str] = field(default_factory=Counter)
+    optimizer_states: int = 0
     mirrored: int = 0
     materialize_calls: int = 0
     #: materialize() results without real values, by policy: (dropped, kept, missing) summed
@@ -214,6 +220,8 @@ class Process:
             "buffers_written": self.buffers_written,
             "buffer_bytes": self.buffer_bytes,
             "buffers_not_written": self.buffers_not_written,
+            "updates_lost": dict(self.updates_lost),
+            "optimizer_states_materialized": self.optimizer_states,
             "mirrored": self.mirrored,
             "materialize_calls": self.materialize_calls,
             "materialize_missing": dict(self.materialize_missing),
@@ -335,6 +343,12 @@ class Summary:
                 proc.buffer_bytes += nbytes
         elif event == "buffer_not_written_back":
             proc.buffers_not_written += 1
+        elif event == "update_lost":
+            name = record.get("name")
+            what = f"{record.get('kind')} {name}" if name else str(record.get("kind"))
+            _tally(proc.updates_lost, f"{what} ({record.get('op')})")
+        elif event == "optimizer_state_materialized":
+            proc.optimizer_states += 1
         elif event == "mirrored":
             proc.mirrored += 1
         elif event == "materialized":
@@ -380,6 +394,17 @@ class Summary:
                             "detail": words,
                         }
                     )
+        for pid, proc in self.processes.items():
+            out += [
+                {
+                    "kind": "update_lost",
+                    "pid": pid,
+                    "count": n,
+                    "detail": f"in-place update of a real {what} reached only its fake copy "
+                    "(buffers='write_back', or make it outside the mode)",
+                }
+                for what, n in proc.updates_lost.items()
+            ]
         for pid, proc in self.processes.items():
             out += [
                 {
@@ -647,6 +672,8 @@ def render_text(summary: Summary, out: TextIO) -> None:
                 ("buffers written back", proc.buffers_written),
                 ("bytes written back", proc.buffer_bytes),
                 ("buffers NOT written back", proc.buffers_not_written),
+                ("updates lost", sum(proc.updates_lost.values())),
+                ("optimizer states made real", proc.optimizer_states),
                 ("mirrored", proc.mirrored),
                 ("materialize() calls", proc.materialize_calls),
             )
