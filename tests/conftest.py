@@ -19,7 +19,59 @@ UNPATCHED = os.environ.get("FAKEGRAD_TEST_UNPATCHED") == "1"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+#: Test files whose subject does not change with the torch build: the start-up hook and its
+#: activation paths, settings parsing, the pytest plugin, doctor's checks, the trace reader and
+#: sink, the verify CLI's plumbing, packaging, the README and the package layout. They depend on
+#: the interpreter and on wrapt/structlog instead. ``FAKEGRAD_TEST_SCOPE=build`` (tox envs that
+#: only vary the torch build on an interpreter another env covers: torch214, the quick tier)
+#: deselects them; oldest (3.10), torch213 (3.11), lowest (3.12, lowest wrapt/structlog) and
+#: newest (3.13) run every file. Unset, or ``all``: every file runs.
+BUILD_INDEPENDENT = frozenset(
+    {
+        "test_activation.py",
+        "test_startup_hook.py",
+        "test_sitecustomize_append.py",
+        "test_settings_validation.py",
+        "test_pytest_plugin.py",
+        "test_doctor_checks.py",
+        "test_trace_reader.py",
+        "test_trace_reader_robust.py",
+        "test_trace_sink.py",
+        "test_trace_pipeline.py",
+        "test_verify_cli.py",
+        "test_packaging.py",
+        "test_readme.py",
+        "test_layout.py",
+    }
+)
+SCOPES = ("all", "build")
+
+
+def _scope() -> str:
+    scope = os.environ.get("FAKEGRAD_TEST_SCOPE", "").strip() or "all"
+    if scope not in SCOPES:
+        raise pytest.UsageError(f"FAKEGRAD_TEST_SCOPE={scope!r}: expected one of {SCOPES}")
+    return scope
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    scope = _scope()
+    if scope == "build":
+        return (
+            "FAKEGRAD_TEST_SCOPE=build: the build-independent files are deselected here "
+            "(they run in the lowest and newest envs)"
+        )
+    return "FAKEGRAD_TEST_SCOPE=all: every test file"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _scope() == "build":
+        kept, dropped = [], []
+        for item in items:
+            (dropped if item.path.name in BUILD_INDEPENDENT else kept).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     skip = pytest.mark.skip(reason="CUDA not available")
     if not torch.cuda.is_available():
         for item in items:

@@ -301,3 +301,38 @@ def test_the_trace_reader_counts_lost_updates(tmp_path: Any) -> None:
     assert "update_lost x2" in out.getvalue() and "updates lost: 2" in out.getvalue()
     kinds = [p["kind"] for p in summary.problems()]
     assert kinds.count("update_lost") == 1, kinds  # both grads: one (kind, op) row
+
+
+# -- the idioms docs/troubleshooting.md gives ------------------------------------------------------
+
+
+def test_loss_item_raises_upstream_and_materialize_gives_eager_value() -> None:
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    m, x = _linear()
+    want = m(x).pow(2).sum().item()
+    with fake_mode():
+        loss = m(x).pow(2).sum()
+        with pytest.raises(DataDependentOutputException):
+            loss.item()
+        value = fakegrad_patch.materialize(loss)  # real; read it after the block
+    assert value.item() == want
+
+
+def test_lbfgs_closure_entering_the_mode_matches_eager() -> None:
+    def train(fake: bool) -> list[torch.Tensor]:
+        m, x = _linear()
+        opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            with fake_mode() if fake else contextlib.nullcontext():
+                loss = m(x).pow(2).sum()
+                loss.backward()
+            return fakegrad_patch.materialize(loss) if fake else loss
+
+        for _ in range(2):
+            opt.step(closure)
+        return [m.weight.detach(), m.bias.detach()]
+
+    assert _exact(train(True), train(False))

@@ -254,6 +254,39 @@ def test_forward_straddling_uninstall_install_is_never_silently_wrong(first_half
 
 
 @pytest.mark.usefixtures("quiet")
+def test_a_forward_straddling_uninstall_then_backward_while_uninstalled_is_never_wrong() -> None:
+    """Issue 25, case 6: layer 0 converted while installed, ``uninstall()`` inside the mode,
+    layer 2 and the backward while uninstalled. Layer 0's hooks outlive ``uninstall()``; on D2
+    builds its gradient flows through layer 2's uninitialised values: it must not be written
+    (the policy applies), never a real, wrong gradient. Elsewhere it equals eager."""
+    model, ref = _mlp(), _mlp()
+    ref(X1).sum().backward()
+    fakegrad_patch.configure(on_missing="error")
+    d2 = _has_d2()
+    with trace.capture("warning") as events:
+        try:
+            with fake_mode():
+                hidden = model[0](X1)
+                fakegrad_patch.uninstall()
+                out = model[2](model[1](hidden)).sum()
+                if d2:
+                    with pytest.raises(fakegrad_patch.FakeGradError, match="could not repair"):
+                        out.backward()
+                else:
+                    out.backward()
+        finally:
+            fakegrad_patch.install()
+    first = [model[0].weight, model[0].bias]
+    if d2:
+        assert "mode_untrusted" in [e["event"] for e in events]
+        assert all(p.grad is None for p in first)
+    else:
+        for p, r in zip(first, [ref[0].weight, ref[0].bias], strict=True):
+            assert is_real(p.grad)
+            torch.testing.assert_close(p.grad, r.grad)
+
+
+@pytest.mark.usefixtures("quiet")
 def test_a_mode_used_before_the_first_install_is_not_trusted_on_d2_builds() -> None:
     """``import torch; (use a mode); import fakegrad_patch`` in one process: the same straddle."""
     model = _mlp()

@@ -37,6 +37,7 @@ class _Many(torch.nn.Module):
         return sum((p * x).sum() for p in self.ps)  # type: ignore[return-value]
 
 
+@pytest.mark.slow  # 6,000 tensors: over a minute on 2 cores (the quick tier leaves it out)
 def test_no_registry_is_rebuilt_or_scanned_during_fake_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -294,7 +294,9 @@ class _Applied:
         self.materializer = _accumulate.Materializer(
             self.resolved,
             on_written=_leaves.note_grad,
-            untrusted=lambda grad: _values.tainted(getattr(grad, "fake_mode", None)),
+            # the mode's conversions are checked once per generation: a forward that straddles
+            # uninstall() (hooks that outlive it) is caught here too, not only at arming
+            untrusted=lambda grad: self.values.check_mode(getattr(grad, "fake_mode", None)),
         )
         self.hooks = _accumulate.Hooks(self.resolved, self.materializer, self)
         self.arming = _arming.Arming(self.resolved, self.hooks.make_prehook, self)

@@ -273,6 +273,8 @@ class Values:
     def check_mode(self, mode: Any) -> bool:
         """Before a backward from ``mode``'s fakes: is the mode tainted? (Checks its converter's
         earlier conversions once per generation.)"""
+        if mode is None:
+            return False
         conv = getattr(mode, "fake_tensor_converter", None)
         if (
             conv is not None

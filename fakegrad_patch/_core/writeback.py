@@ -747,37 +747,41 @@ def report_lost(real: Any, op: str, via: str, write_back: bool) -> None:
 
 class _StandIn:
     """The fakes (a converted fake, views of it) whose propagated values are one private copy of
-    a real tensor: weakly held; the record dies with the last of them (or with the tensor)."""
+    a real tensor: weakly held (a dict by id: O(1) per view op at any number of views); the
+    record dies with the last of them."""
 
-    __slots__ = ("__weakref__", "_forget", "holders", "root")
+    __slots__ = ("__weakref__", "holders", "ptr", "root", "table")
 
     def __init__(self, root: Any, ptr: int, table: dict[int, Any]) -> None:
         self.root = weakref.ref(root)
-        self.holders: list[Any] = []
-        me = weakref.ref(self)
-
-        def forget(_ref: Any, ptr: int = ptr) -> None:
-            entry = me()
-            if entry is None:
-                return
-            entry.holders = [h for h in entry.holders if h() is not None]
-            if not entry.holders and table.get(ptr) is entry:
-                del table[ptr]
-
-        self._forget = forget
+        self.ptr = ptr
+        self.table = table
+        #: id(fake) -> weak reference to it
+        self.holders: dict[int, Any] = {}
 
     def hold(self, fake: Any) -> None:
-        for ref in self.holders:
-            if ref() is fake:
+        key = id(fake)
+        ref = self.holders.get(key)
+        if ref is not None and ref() is fake:
+            return
+        me = weakref.ref(self)
+
+        def forget(dead: Any, key: int = key) -> None:
+            entry = me()
+            if entry is None or entry.holders.get(key) is not dead:
                 return
-        self.holders.append(weakref.ref(fake, self._forget))
+            del entry.holders[key]
+            if not entry.holders and entry.table.get(entry.ptr) is entry:
+                del entry.table[entry.ptr]
+
+        self.holders[key] = weakref.ref(fake, forget)
 
     def real(self, ptr: int) -> Any:
         """The real tensor, while a holder still has its values over ``ptr``; else None."""
         root = self.root()
         if root is None:
             return None
-        for ref in self.holders:
+        for ref in list(self.holders.values()):
             holder = ref()
             if holder is not None and _storage(getattr(holder, "real_tensor", None)) == ptr:
                 return root

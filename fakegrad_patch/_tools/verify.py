@@ -499,6 +499,14 @@ class _Run:
                     "fakegrad_patch.configure(buffers=...), FAKEGRAD_BUFFERS=write_back, "
                     "verify --buffers write_back) makes them reach the real buffers as in eager"
                 )
+        lost = [e for e in self.events if e.get("event") == "update_lost"]
+        if lost:
+            kinds = sorted({str(e.get("kind")) for e in lost})
+            self.notes.append(
+                f"in-place updates of real tensors inside the mode that reached only fake "
+                f"copies: {len(lost)} ({', '.join(kinds)}; update_lost events): "
+                f"{lost[0].get('fix')}"
+            )
         written = [e for e in self.events if e.get("event") == "buffer_written_back"]
         if written:
             nbytes = sum(int(e.get("bytes") or 0) for e in written)
