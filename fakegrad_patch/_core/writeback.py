@@ -767,12 +767,15 @@ class _StandIn:
         me = weakref.ref(self)
 
         def forget(dead: Any, key: int = key) -> None:
-            entry = me()
-            if entry is None or entry.holders.get(key) is not dead:
+            entry: _StandIn | None = me()
+            if entry is None:
                 return
-            del entry.holders[key]
-            if not entry.holders and entry.table.get(entry.ptr) is entry:
-                del entry.table[entry.ptr]
+            holders, table, ptr = entry.holders, entry.table, entry.ptr
+            if holders.get(key) is not dead:
+                return
+            del holders[key]
+            if not holders and table.get(ptr) is entry:
+                del table[ptr]
 
         self.holders[key] = weakref.ref(fake, forget)
 
