@@ -336,3 +336,15 @@ def test_lbfgs_closure_entering_the_mode_matches_eager() -> None:
         return [m.weight.detach(), m.bias.detach()]
 
     assert _exact(train(True), train(False))
+
+
+def test_status_and_doctor_count_lost_updates() -> None:
+    from fakegrad_patch._tools import doctor
+
+    before = fakegrad_patch.status()["updates_lost"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _zero_grad(True)
+    assert fakegrad_patch.status()["updates_lost"] == before + 2  # weight.grad, bias.grad
+    rendered = doctor.render(doctor.collect())
+    assert "in-place updates of real tensors lost in this process" in rendered

@@ -210,7 +210,14 @@ def status() -> dict[str, Any]:
         "zero_copy": bool(applied and applied.materializer.baseline is not None),
         # buffers="write_back" in force (FakeTensorMode.dispatch wrapped)
         "write_back": bool(applied and applied.write_back.enabled),
+        # in-place updates of real tensors that reached only a fake copy (update_lost events)
+        "updates_lost": _lost_count(),
     }
+
+
+def _lost_count() -> int:
+    writeback = sys.modules.get(__package__ + ".writeback")
+    return writeback.lost_count() if writeback is not None else 0
 
 
 def _armed_count() -> int:

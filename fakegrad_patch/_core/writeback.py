@@ -719,8 +719,19 @@ _FIX = {
 }
 
 
+class _Lost:
+    """How many updates were reported lost in this process (``status()["updates_lost"]``)."""
+
+    count = 0
+
+
+def lost_count() -> int:
+    return _Lost.count
+
+
 def report_lost(real: Any, op: str, via: str, write_back: bool) -> None:
     """One ``update_lost`` event (warning) and one warning per process."""
+    _Lost.count += 1  # a statistic: a lost increment under threads is harmless
     kind = kind_of(real)
     fix = _FIX["write_back" if write_back else "parameter" if kind == "parameter" else "other"]
     if trace.enabled(trace.WARNING):

@@ -516,6 +516,12 @@ def render(report: dict[str, Any]) -> str:
     active = "active" if s["installed"] else "NOT active"
     extra = f" ({s['skipped_reason']})" if s["skipped_reason"] else ""
     out.append(f"patch in this process: {active}{extra}")
+    if s.get("updates_lost"):
+        out.append(
+            f"in-place updates of real tensors lost in this process: {s['updates_lost']} "
+            "(update_lost events; buffers='write_back' or make them outside the mode: "
+            "docs/troubleshooting.md)"
+        )
     if checks["wrapt_error"]:
         out.append(f"wrapt: not importable ({checks['wrapt_error']})")
     if report["notices"]:
