@@ -10,6 +10,8 @@ option on vs off: the wrapper's cost where it stands aside at once.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -66,6 +68,54 @@ def test_p15_write_back(benchmark, device: str, propagate: bool, slot: _support.
             setup=lambda: model.zero_grad(set_to_none=True),
             rounds=6,
         )
+        assert fakegrad_patch.status()["write_back"] is (slot.variant == "write_back")
+    finally:
+        fakegrad_patch.configure(buffers="upstream")
+
+
+def _mlp_and_sgd(device: str) -> tuple[torch.nn.Module, torch.Tensor, torch.optim.Optimizer]:
+    def build() -> tuple[torch.nn.Module, torch.Tensor, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        layers: list[torch.nn.Module] = []
+        for _ in range(8):
+            layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+        model = torch.nn.Sequential(*layers).to(device)
+        x = _support.batch((32, 64), device)[0]
+        return model, x, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    return _support.cached(("P16", device), build)
+
+
+@pytest.mark.paired("upstream", "write_back")
+def test_p16_training_loop_inside_the_mode(benchmark, device: str, slot: _support.Slot) -> None:
+    """P16 (issue 25): a whole training step inside a propagating mode (zero_grad, forward,
+    backward, SGD with momentum ``step()``): upstream semantics (the step reaches only fake
+    copies and each lost update is reported: the warning-level trace events are built) vs
+    ``buffers="write_back"`` (the step reaches the real parameters and state)."""
+    model, x, opt = _mlp_and_sgd(device)
+    _support.use_patch(True)
+    fakegrad_patch.configure(buffers=slot.variant)
+
+    def step() -> None:
+        with _support.fake_mode(propagate=True):
+            opt.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+            opt.step()
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fakegrad_patch.FakeGradPatchWarning)
+            _support.record(
+                benchmark,
+                slot,
+                case="P16",
+                device=device,
+                detail="fake train step mlp8 sgd-momentum propagate",
+                goal=None,
+                target=step,
+                setup=opt.state.clear,  # every round creates the momentum state afresh
+                rounds=6,
+            )
         assert fakegrad_patch.status()["write_back"] is (slot.variant == "write_back")
     finally:
         fakegrad_patch.configure(buffers="upstream")
