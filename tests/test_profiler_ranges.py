@@ -97,9 +97,11 @@ def test_unnamed_leaves_get_the_plain_range_name(propagate: None) -> None:
     with FakeTensorMode(allow_non_fake_inputs=True):
         (leaf * 2).sum().backward()
     leaf.grad = None
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            (leaf * 2).sum().backward()
+    with (
+        profile(activities=[ProfilerActivity.CPU]) as prof,
+        FakeTensorMode(allow_non_fake_inputs=True),
+    ):
+        (leaf * 2).sum().backward()
     assert type(leaf.grad) is torch.Tensor
     assert "fakegrad_patch::materialize" in {e.key for e in prof.key_averages()}
 
