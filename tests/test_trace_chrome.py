@@ -225,14 +225,15 @@ def test_synthetic_lines_threads_and_what_cannot_be_placed(tmp_path: Path) -> No
         _line("fake_grad_set", "yesterday", duration_us=1.0),
         json.dumps({"event": "x", "timestamp": "2026-11-30T22:23:44.000000Z", "pid": "42"}),
         _line("fake_grad_set", "2026-11-30T22:23:45.000000Z", duration_us=-1),  # instant then
+        _line("fake_grad_set", "2026-11-30T22:23:46.000000Z", duration_us=float("nan")),
     ]
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(lines) + "\n")
     out = tmp_path / "o.json"
     result = _run(str(trace), "--chrome", str(out))
     assert result.returncode == 0, result.stderr
-    assert "4 lines skipped" in result.stderr
-    doc = json.loads(out.read_text())
+    assert "5 lines skipped" in result.stderr  # NaN too: the timeline must stay valid JSON
+    doc = json.loads(out.read_text(), parse_constant=pytest.fail)
     timed = validate(doc)
     assert [(e["name"], e["ph"], e["tid"]) for e in timed] == [
         ("patch_installed", "i", 1),

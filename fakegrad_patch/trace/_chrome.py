@@ -87,6 +87,11 @@ class _Clock:
         return self._seconds * 1_000_000 + int(fraction)
 
 
+def _no_constant(name: str) -> Any:
+    """``NaN``/``Infinity`` in a line: not JSON, and not writable into a valid timeline."""
+    raise ValueError(f"{name} is not JSON")
+
+
 def _number(value: Any) -> float | None:
     if type(value) in (int, float) and value == value and 0 <= value < 1e15:
         return float(value)
@@ -190,7 +195,7 @@ class ChromeWriter:
             self._skip(where)
             return
         try:
-            record = json.loads(line)
+            record = json.loads(line, parse_constant=_no_constant)
         except (ValueError, RecursionError):
             self._skip(where)
             return
