@@ -282,3 +282,97 @@ def test_the_reader_copied_alone_with_its_exporter_still_exports(
     )
     assert result.returncode == 0, result.stderr
     _check_against_source(validate(json.loads(out.read_text())), _lines(real_trace))
+
+
+PROFILED = textwrap.dedent(
+    """
+    import sys, torch, fakegrad_patch
+    import torch._functorch.config as fc
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.profiler import ProfilerActivity, profile
+
+    fc.fake_tensor_propagate_real_tensors = True
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    fakegrad_patch.name_parameters(m, prefix="net")
+    def step():
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            m(torch.randn(4, 3)).sum().backward()
+    step()
+    m.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    prof.export_chrome_trace(sys.argv[1])
+    """
+)
+
+
+def test_merged_into_a_torch_profiler_export_on_its_time_base(tmp_path: Path) -> None:
+    """--chrome-merge: the profiler's events unchanged, ours in its process on its time base:
+    each fake_grad_set slice lies where the profiler saw the same parameter's
+    fakegrad_patch::materialize range."""
+    path, profile_path = tmp_path / "run.jsonl", tmp_path / "profile.json"
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", PROFILED, str(profile_path)],
+        env=_env(path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "merged.json"
+    result = _run(str(path), "--chrome", str(out), "--chrome-merge", str(profile_path))
+    assert result.returncode == 0, result.stderr
+    profile = json.loads(profile_path.read_text())
+    merged = json.loads(out.read_text())
+    theirs = profile["traceEvents"]
+    assert merged["traceEvents"][: len(theirs)] == theirs
+    assert {k: v for k, v in merged.items() if k not in ("traceEvents", "fakegrad_patch")} == {
+        k: v for k, v in profile.items() if k != "traceEvents"
+    }
+    ours = merged["traceEvents"][len(theirs) :]
+    pid = next(e["pid"] for e in theirs if e.get("name", "").startswith("fakegrad_patch::"))
+    assert all(e["pid"] == pid for e in ours)  # the traced process is the profiled one
+    assert not [e for e in ours if e["name"] == "process_name"]  # its name is the profiler's
+    assert all(e["tid"] >= 10**9 for e in ours)  # never one of its OS thread ids
+    materialize = {
+        e["name"].removeprefix("fakegrad_patch::materialize: "): e
+        for e in theirs
+        if e.get("ph") == "X" and e["name"].startswith("fakegrad_patch::materialize: ")
+    }
+    sets = [e for e in ours if e["name"] == "fake_grad_set"]
+    assert len(sets) == 8  # the unprofiled step, then the profiled one
+    profiled = sets[4:]
+    assert (
+        {e["args"]["name"] for e in profiled}
+        == set(materialize)
+        == {
+            "net.0.weight",
+            "net.0.bias",
+            "net.1.weight",
+            "net.1.bias",
+        }
+    )
+    for event in profiled:
+        span = materialize[event["args"]["name"]]
+        # two clocks (the trace's wall clock, the profiler's): the same interception within 5 ms
+        assert abs(event["ts"] - span["ts"]) < 5000, (event, span)
+    # without a profile the same events are on the Unix epoch: the shift is the profile's base
+    plain = tmp_path / "plain.json"
+    assert _run(str(path), "--chrome", str(plain)).returncode == 0
+    plain_sets = [
+        e for e in validate(json.loads(plain.read_text())) if e["name"] == "fake_grad_set"
+    ]
+    base_us = profile.get("baseTimeNanoseconds", 0) / 1000
+    for a, b in zip(plain_sets, sets, strict=True):
+        assert a["ts"] - base_us == pytest.approx(b["ts"], abs=0.5)  # doubles near 1.8e15 µs
+
+
+def test_merge_needs_a_chrome_output_and_a_chrome_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(_line("patch_installed", "2026-11-30T22:23:41.231261Z") + "\n")
+    assert _run(str(trace), "--chrome-merge", str(trace)).returncode == 2  # usage error
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"no": "events"}')
+    result = _run(str(trace), "--chrome", str(tmp_path / "o.json"), "--chrome-merge", str(bad))
+    assert result.returncode == 2 and "cannot merge" in result.stderr
+    assert not (tmp_path / "o.json").exists()

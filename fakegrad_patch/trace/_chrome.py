@@ -46,6 +46,10 @@ CATEGORY = "fakegrad_patch"
 _ENVELOPE = frozenset({"event", "timestamp", "pid", "tid", "schema"})
 #: Distinct threads numbered per export; a corrupt trace with more shares one last track.
 _MAX_THREADS = 10_000
+#: The key and name of that shared track.
+_OTHER_THREADS = "(other threads)"
+#: Merged into a torch.profiler export, our thread ids start here (its are OS thread ids, far below)
+_MERGED_TID_BASE = 1_000_000_000
 
 
 @dataclass
@@ -101,7 +105,7 @@ def _number(value: Any) -> float | None:
 class ChromeWriter:
     """Turns trace events (dicts) into trace-event JSON on ``out``, one event at a time."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, profile: dict[str, Any] | None = None) -> None:
         self._out = out
         self._clock = _Clock()
         self._first = True
@@ -109,13 +113,38 @@ class ChromeWriter:
         self._threads: dict[Any, dict[Any, int]] = {}
         self._thread_count = 0
         self.stats = ChromeStats()
+        #: merging into a torch.profiler export: its events come first, ours are shifted onto its
+        #: time base and get thread ids far from its OS thread ids
+        self._profile = profile
+        self._base_us = 0.0
+        self._tid_base = 0
+        self._named: set[Any] = set()
+        if profile is not None:
+            base = profile.get("baseTimeNanoseconds", 0)
+            self._base_us = base / 1000 if type(base) in (int, float) else 0.0
+            self._tid_base = _MERGED_TID_BASE
 
     def begin(self) -> None:
-        self._out.write('{"displayTimeUnit":"ms","traceEvents":[\n')
+        profile = self._profile
+        if profile is None:
+            self._out.write('{"displayTimeUnit":"ms","traceEvents":[\n')
+            return
+        head = "".join(
+            f"{json.dumps(key)}:{json.dumps(value, default=str)},"
+            for key, value in profile.items()
+            if key not in ("traceEvents", "fakegrad_patch")
+        )
+        self._out.write("{" + head + '"traceEvents":[\n')
+        for event in profile.get("traceEvents") or ():
+            if isinstance(event, dict):
+                if event.get("ph") == "M" and event.get("name") == "process_name":
+                    self._named.add(event.get("pid"))
+                self._write(event)
 
     def end(self) -> None:
         other = {"source": "fakegrad_patch trace", "slices": self.stats.slices}
-        self._out.write(f'\n],"otherData":{json.dumps(other)}}}\n')
+        key = "otherData" if self._profile is None else "fakegrad_patch"
+        self._out.write(f'\n],"{key}":{json.dumps(other)}}}\n')
 
     def _write(self, event: dict[str, Any]) -> None:
         text = json.dumps(event, separators=(",", ":"), default=str)
@@ -127,32 +156,24 @@ class ChromeWriter:
         if threads is None:
             threads = self._threads[pid] = {}
             self.stats.processes += 1
-            self._write(
-                {
-                    "ph": "M",
-                    "name": "process_name",
-                    "pid": pid,
-                    "tid": 0,
-                    "args": {"name": f"fakegrad_patch pid {pid}"},
-                }
-            )
+            if pid not in self._named:  # merged: the profiler's own name for it stays
+                self._meta("process_name", pid, 0, f"fakegrad_patch pid {pid}")
         small = threads.get(tid)
         if small is None:
-            if self._thread_count >= _MAX_THREADS:
-                return _MAX_THREADS + 1
-            small = threads[tid] = len(threads) + 1
-            self._thread_count += 1
+            if self._thread_count >= _MAX_THREADS:  # a corrupt trace: one shared last track
+                tid, small = _OTHER_THREADS, self._tid_base + _MAX_THREADS + 1
+                if tid in threads:
+                    return small
+            else:
+                small = self._tid_base + len(threads) + 1
+                self._thread_count += 1
+            threads[tid] = small
             self.stats.threads += 1
-            self._write(
-                {
-                    "ph": "M",
-                    "name": "thread_name",
-                    "pid": pid,
-                    "tid": small,
-                    "args": {"name": f"thread {tid}"},
-                }
-            )
+            self._meta("thread_name", pid, small, f"thread {tid}")
         return small
+
+    def _meta(self, kind: str, pid: int, tid: int, name: str) -> None:
+        self._write({"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}})
 
     def add(self, record: dict[str, Any], where: str) -> bool:
         """Write one event; False (and counted) when it cannot be placed on a timeline."""
@@ -172,13 +193,13 @@ class ChromeWriter:
         out: dict[str, Any] = {"name": name, "cat": CATEGORY, "pid": pid, "tid": track}
         if duration is not None:
             out["ph"] = "X"
-            out["ts"] = round(end - duration, 3)
+            out["ts"] = round(end - self._base_us - duration, 3)
             out["dur"] = duration
             self.stats.slices += 1
         else:
             out["ph"] = "i"
             out["s"] = "t"
-            out["ts"] = end
+            out["ts"] = end - self._base_us if self._base_us else end
             self.stats.instants += 1
         out["args"] = args
         self._write(out)
@@ -210,10 +231,16 @@ class ChromeWriter:
 LineSource = Callable[[str], Iterator["bytes | None"]]
 
 
-def export(paths: Iterable[str], out: TextIO, lines_of: LineSource) -> ChromeStats:
-    """Write every file to ``out`` as one trace-event JSON object; unreadable files are recorded
-    in the returned stats, not raised."""
-    writer = ChromeWriter(out)
+def export(
+    paths: Iterable[str],
+    out: TextIO,
+    lines_of: LineSource,
+    profile: dict[str, Any] | None = None,
+) -> ChromeStats:
+    """Write every file to ``out`` as one trace-event JSON object (merged into ``profile``, a
+    loaded ``torch.profiler`` export, when given); unreadable files are recorded in the returned
+    stats, not raised."""
+    writer = ChromeWriter(out, profile)
     writer.begin()
     for path in paths:
         try:
@@ -225,17 +252,32 @@ def export(paths: Iterable[str], out: TextIO, lines_of: LineSource) -> ChromeSta
     return writer.stats
 
 
-def export_to(paths: Iterable[str], destination: str, lines_of: LineSource) -> ChromeStats:
+def load_profile(path: str) -> dict[str, Any]:
+    """A ``torch.profiler`` Chrome export (``prof.export_chrome_trace(path)``), read whole: a JSON
+    object with a ``traceEvents`` list. ValueError when it is not one."""
+    with open(path, encoding="utf-8") as stream:
+        profile = json.load(stream)
+    if not isinstance(profile, dict) or not isinstance(profile.get("traceEvents"), list):
+        raise ValueError(f"{path!r} is not a Chrome trace (no traceEvents list)")
+    return profile
+
+
+def export_to(
+    paths: Iterable[str],
+    destination: str,
+    lines_of: LineSource,
+    profile: dict[str, Any] | None = None,
+) -> ChromeStats:
     """:func:`export` into the file ``destination`` (``-``: standard output), written to a
     temporary file next to it and renamed over it when complete."""
     if destination == "-":
         import sys
 
-        return export(paths, sys.stdout, lines_of)
+        return export(paths, sys.stdout, lines_of, profile)
     temporary = f"{destination}.tmp"
     try:
         with open(temporary, "w", encoding="utf-8") as out:
-            stats = export(paths, out, lines_of)
+            stats = export(paths, out, lines_of, profile)
         os.replace(temporary, destination)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -722,9 +722,17 @@ def main(argv: list[str]) -> int:
         help="write the trace as Chrome trace-event JSON to OUT (Perfetto, chrome://tracing) "
         "instead of the summary",
     )
+    parser.add_argument(
+        "--chrome-merge",
+        metavar="PROFILE",
+        help="with --chrome: merge into this torch.profiler Chrome export (its events first, "
+        "ours on its time base, in its processes)",
+    )
     args = parser.parse_args(argv)
+    if args.chrome_merge is not None and args.chrome is None:
+        parser.error("--chrome-merge needs --chrome OUT")
     if args.chrome is not None:
-        return _main_chrome(args.files, args.chrome, args.strict)
+        return _main_chrome(args.files, args.chrome, args.strict, args.chrome_merge)
     summary = summarize(args.files)
     out = sys.stdout
     try:
@@ -760,14 +768,25 @@ def _file_lines(path: str, max_line: int = MAX_LINE_BYTES) -> Iterator[bytes | N
             stream.close()
 
 
-def _main_chrome(files: list[str], destination: str, strict: bool) -> int:
+def _main_chrome(files: list[str], destination: str, strict: bool, merge: str | None = None) -> int:
     """``--chrome OUT``: the timeline export (trace/_chrome.py); exit codes as for the summary."""
     try:
         from . import _chrome
     except ImportError:  # this file run on its own, _chrome.py next to it
         import _chrome  # type: ignore[no-redef]
+    profile = None
+    if merge is not None:
+        try:
+            profile = _chrome.load_profile(merge)
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, not a Chrome trace
+            with contextlib.suppress(OSError):
+                print(
+                    f"fakegrad_patch trace: cannot merge into {_h(merge)}: {_h(exc)}",
+                    file=sys.stderr,
+                )
+            return 2
     try:
-        stats = _chrome.export_to(files, destination, _file_lines)
+        stats = _chrome.export_to(files, destination, _file_lines, profile)
     except OSError as exc:
         with contextlib.suppress(OSError):
             print(
