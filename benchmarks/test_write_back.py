@@ -83,12 +83,12 @@ def _mlp_and_sgd(device: str) -> tuple[torch.nn.Module, torch.Tensor, torch.opti
         x = _support.batch((32, 64), device)[0]
         return model, x, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
-    return _support.cached(("P16", device), build)
+    return _support.cached(("P17", device), build)
 
 
 @pytest.mark.paired("upstream", "write_back")
-def test_p16_training_loop_inside_the_mode(benchmark, device: str, slot: _support.Slot) -> None:
-    """P16 (issue 25): a whole training step inside a propagating mode (zero_grad, forward,
+def test_p17_training_loop_inside_the_mode(benchmark, device: str, slot: _support.Slot) -> None:
+    """P17 (issue 25): a whole training step inside a propagating mode (zero_grad, forward,
     backward, SGD with momentum ``step()``): upstream semantics (the step reaches only fake
     copies and each lost update is reported: the warning-level trace events are built) vs
     ``buffers="write_back"`` (the step reaches the real parameters and state)."""
@@ -108,7 +108,7 @@ def test_p16_training_loop_inside_the_mode(benchmark, device: str, slot: _suppor
             _support.record(
                 benchmark,
                 slot,
-                case="P16",
+                case="P17",
                 device=device,
                 detail="fake train step mlp8 sgd-momentum propagate",
                 goal=None,

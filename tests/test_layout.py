@@ -31,10 +31,11 @@ HOOKS = PACKAGE / "_activation" / "hooks"  # top-level modules in the wheel, not
 RANKS: list[tuple[str, list[str]]] = [
     ("errors", ["_errors"]),
     ("settings", ["_config"]),
+    ("trace timeline export (standard library only)", ["trace._chrome"]),
     ("tracing", ["trace", "trace._reader"]),
     ("parts", ["_core", "_tools", "_activation"]),
     ("registries and targets", ["_core.state", "_core.weak", "_core.targets"]),
-    ("per-leaf bookkeeping and probes", ["_core.leaves", "_core.probes"]),
+    ("per-leaf bookkeeping and probes", ["_core.leaves", "_core.probes", "_core.profiling"]),
     (
         "arming, values, accumulate",
         [

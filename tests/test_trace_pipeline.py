@@ -130,3 +130,31 @@ def test_emit_fields_records_what_emit_records_and_keeps_nothing_of_the_dict(
     first, second = (json.loads(line) for line in path.read_bytes().splitlines())
     assert first.pop("timestamp") and second.pop("timestamp")
     assert first == second
+
+
+def test_the_one_step_pipeline_records_and_writes_what_the_separate_steps_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_trace: None
+) -> None:
+    """Issue 27: envelope, fan-out and renderer run as one processor; same dict in the buffer and
+    in captures, same bytes in the file, as the three steps give, for every kind of field."""
+    monkeypatch.setattr(trace, "_timestamp", lambda: "2026-11-30T21:54:22.081334Z")
+    path = tmp_path / "t.jsonl"
+    trace.configure_trace(path=path, level="info")
+    trace.clear()
+    expected_lines = []
+    expected_dicts = []
+    with trace.capture("info") as captured:
+        for fields in _EVENTS:
+            step = trace._envelope(None, "info", {"event": "e", "_fakegrad_fields": dict(fields)})
+            expected_dicts.append(step)
+            expected_lines.append(trace._render(None, "info", step))
+            trace.emit_fields("e", trace.INFO, fields)
+        trace.emit("e", trace.DEBUG, leaf_id=1)  # below the sink's level: nothing anywhere
+    assert path.read_bytes() == b"".join(expected_lines)
+    assert trace.events() == expected_dicts
+    assert captured == expected_dicts
+    # the sink does not want debug events, a capture does: recorded there, not written
+    with trace.capture("debug") as debug:
+        trace.emit("e", trace.DEBUG, leaf_id=1)
+    assert [e["leaf_id"] for e in debug] == [1]
+    assert path.read_bytes() == b"".join(expected_lines)

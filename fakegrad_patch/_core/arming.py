@@ -42,6 +42,7 @@ import torch
 
 from .. import _config, trace
 from . import leaves as _leaves
+from . import profiling as _profiling
 from .probes import bypassed
 from .targets import Resolved
 from .weak import WeakIdTable
@@ -97,7 +98,9 @@ class Arming:
                 return wrapped(*args, **kwargs)
         finally:
             if token is not None:
+                span = _profiling.begin(_profiling.DISARM)  # issue 27: None unless profiling
                 self.disarm(token)
+                _profiling.end(span)
 
     def _arm_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]] | None:
         tensors = args[0] if args else kwargs.get("tensors")
@@ -125,11 +128,15 @@ class Arming:
         values = self._applied.values
         for mode in modes:
             values.check_mode(mode)
-        pairs, keep = self.collect(roots)
-        for t in roots:
-            if not is_fake(t) and t.requires_grad and t.grad_fn is not None and t.retains_grad:
-                self.arm_retained(t)
-        return self.arm(pairs, keep)
+        span = _profiling.begin(_profiling.ARM)  # issue 27: None unless a profiler records
+        try:
+            pairs, keep = self.collect(roots)
+            for t in roots:
+                if not is_fake(t) and t.requires_grad and t.grad_fn is not None and t.retains_grad:
+                    self.arm_retained(t)
+            return self.arm(pairs, keep)
+        finally:
+            _profiling.end(span)
 
     # -- the walk ------------------------------------------------------------------------------
 

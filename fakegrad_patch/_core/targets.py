@@ -286,6 +286,25 @@ METADATA_MISMATCH_ERROR = Target(
     "optional: say plainly when propagation refuses a fake kernel",
 )
 
+#: CALLED, OPTIONAL. ``torch.autograd._profiler_enabled()``: True while ``torch.profiler.profile``
+#: or the autograd profiler records (the C++ ``profilerEnabled()``); about 0.03 us. Checked first
+#: so that no range costs anything when no profiler runs.
+PROFILER_ENABLED = Target(
+    "torch.autograd",
+    "_profiler_enabled",
+    "optional: open profiler ranges only while a profiler records",
+)
+
+#: CALLED, OPTIONAL. ``torch._C._profiler._RecordFunctionFast(name)``: the C++ ``RecordFunction``
+#: as a context manager without the dispatcher (``torch.profiler.record_function`` goes through
+#: ``torch.ops.profiler._record_function_enter_new``, an op a FakeTensorMode active in the
+#: pre-hook's thread would see). Exported as ``cpu_op`` ranges.
+RECORD_FUNCTION_FAST = Target(
+    "torch._C._profiler",
+    "_RecordFunctionFast",
+    "optional: name the patch's work (arm, materialize) in torch.profiler traces",
+)
+
 ALL_TARGETS: tuple[Target, ...] = (
     FROM_REAL_TENSOR,
     FAKE_TENSOR,
@@ -306,6 +325,8 @@ ALL_TARGETS: tuple[Target, ...] = (
     FAKE_MODE_DISPATCH,
     FAKE_MODE_INIT,
     METADATA_MISMATCH_ERROR,
+    PROFILER_ENABLED,
+    RECORD_FUNCTION_FAST,
 )
 
 #: Targets whose absence degrades a detail instead of blocking the patch.
@@ -320,6 +341,8 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
         FAKE_MODE_DISPATCH,
         FAKE_MODE_INIT,
         METADATA_MISMATCH_ERROR,
+        PROFILER_ENABLED,
+        RECORD_FUNCTION_FAST,
     }
 )
 
@@ -787,3 +810,23 @@ def resolve_fsdp() -> type:
             raise MissingTargetError(target, f"signature changed: expected {expected}, {params}")
     cls: type = importlib.import_module(FSDP_STATE_MODULE).FSDPState
     return cls
+
+
+# ==============================================================================================
+# --- torch.profiler ranges for the patch's own work (fakegrad_patch/_core/profiling.py) --------
+# ==============================================================================================
+# Checked on: torch 2.13.0+cpu and 2.14.1+cu130 (run on CPU), Python 3.11: both present, same
+# behaviour (a range opened in an AccumulateGrad pre-hook nests inside the engine's
+# ``autograd::engine::evaluate_function: torch::autograd::AccumulateGrad`` range, in
+# ``key_averages()`` and ``export_chrome_trace``). Optional: where either is missing the patch
+# opens no range and works as before. The two targets are defined with the others above
+# (PROFILER_ENABLED, RECORD_FUNCTION_FAST).
+
+
+def resolve_profiler() -> tuple[Callable[[], bool], Callable[[str], Any]] | None:
+    """``(profiler_enabled, RecordFunctionFast)``, or None where either is missing."""
+    enabled = _resolve_optional(PROFILER_ENABLED)
+    record = _resolve_optional(RECORD_FUNCTION_FAST)
+    if not callable(enabled) or not callable(record):
+        return None
+    return enabled, record

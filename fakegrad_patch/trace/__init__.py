@@ -210,6 +210,8 @@ class _FileSink:
         self._lock = threading.RLock()
 
     def write(self, data: bytes) -> None:
+        if not data:
+            return  # an event the sink does not want (the pipeline rendered nothing)
         try:
             with self._lock:
                 if self.failed:
@@ -352,6 +354,8 @@ class _StderrSink:
     failure = None
 
     def write(self, data: bytes) -> None:
+        if not data:
+            return
         stream = sys.stderr
         if stream is None:
             return
@@ -428,6 +432,7 @@ def _floor_level(level: int) -> int:
 
 # -- the pipeline ---------------------------------------------------------------------------------
 
+_get_ident = threading.get_ident
 _PLAIN = (str, int, float, bool, type(None))
 _PLAIN_TYPES = frozenset(_PLAIN)  # exact types: the fast path of _envelope
 
@@ -521,6 +526,49 @@ def _fan_out_only(logger: Any, method_name: str, event_dict: MutableMapping[str,
     return b""
 
 
+def _envelope_fan_out_render(
+    logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
+) -> bytes:
+    """The whole pipeline as one processor (issue 27: one call instead of three, no ``DropEvent``
+    raised for events the sink does not want, the buffer and the renderer sharing one dict):
+    :func:`_envelope`, then :func:`_fan_out`, then the line as bytes, or ``b""`` (written as
+    nothing) when there is no sink or it does not want the event. Same keys, same order, same
+    scrubbing, same bytes as the separate steps, which stay for the tests and for reading."""
+    fields = event_dict.pop(_FIELDS, None)
+    out: dict[str, Any] = {
+        "event": event_dict.pop("event"),
+        "level": method_name,
+        "timestamp": _timestamp(),
+        "schema": SCHEMA_VERSION,
+        "pid": _pid,
+        "tid": _get_ident(),
+    }
+    plain = _PLAIN_TYPES
+    if fields:
+        for key, value in fields.items():
+            if key not in out:
+                out[key] = value if type(value) in plain else _scrub(value)
+    if event_dict:
+        for key, value in event_dict.items():
+            if key not in out:
+                out[key] = value if type(value) in plain else _scrub(value)
+    level = _LEVEL_NAMES[method_name]
+    wanted = level >= _buffer_level
+    if wanted:
+        _buffer.append(out)  # deque.append: atomic
+    if _captures:
+        for capture_level, sink_list in _captures:
+            if level >= capture_level:
+                sink_list.append(dict(out))
+    sink = _sink
+    if not wanted or sink is None or sink.failed:
+        return b""
+    render = _render_line
+    if render is None:
+        render = _set_renderer()
+    return render(out)
+
+
 def _no_repr(obj: object) -> str:
     return f"<{type(obj).__name__}>"
 
@@ -546,6 +594,7 @@ def _stdlib_encoder(json: Any) -> Callable[[Any], str]:
     def fast(event_dict: Any) -> str:
         return "".join(chunks(event_dict, 0))
 
+    fast.chunks = chunks  # type: ignore[attr-defined]  # the renderer appends the newline to them
     return fast
 
 
@@ -555,6 +604,8 @@ def _stdlib_renderer() -> Callable[[Any], bytes]:
     fast = _stdlib_encoder(json)
     ascii_only = json.JSONEncoder(separators=(",", ":"), default=_no_repr).encode
 
+    chunks = getattr(fast, "chunks", None)
+
     def render(event_dict: Any) -> bytes:
         text = fast(event_dict)
         try:
@@ -562,7 +613,20 @@ def _stdlib_renderer() -> Callable[[Any], bytes]:
         except UnicodeEncodeError:  # a lone surrogate: \u escapes keep the line valid JSON
             return (ascii_only(event_dict) + "\n").encode("ascii")
 
-    return render
+    if chunks is None:
+        return render
+
+    def render_chunks(event_dict: Any) -> bytes:
+        parts = chunks(event_dict, 0)  # a fresh list of str: the newline joins it
+        parts.append("\n")
+        try:
+            return "".join(parts).encode("utf-8")
+        except UnicodeEncodeError:
+            return (ascii_only(event_dict) + "\n").encode("ascii")
+
+    if render_chunks({"a": [1, "\u00e9"]}) != render({"a": [1, "\u00e9"]}):
+        return render
+    return render_chunks
 
 
 def _make_renderer() -> tuple[str, Callable[[Any], bytes]]:
@@ -616,9 +680,10 @@ def _build_logger() -> Any:
 
     if _sink is None:
         target: Any = _NullSink()
-        processors: list[Any] = [_envelope, _fan_out_only]
     else:
-        target, processors = _sink, [_envelope, _fan_out, _render]
+        target = _sink
+    # one processor (issue 27): envelope, fan-out and (when the sink wants the event) the line
+    processors: list[Any] = [_envelope_fan_out_render]
     return structlog.wrap_logger(
         target,
         processors=processors,

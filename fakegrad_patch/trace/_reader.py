@@ -716,7 +716,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 when any line is broken or unknown"
     )
+    parser.add_argument(
+        "--chrome",
+        metavar="OUT",
+        help="write the trace as Chrome trace-event JSON to OUT (Perfetto, chrome://tracing) "
+        "instead of the summary",
+    )
+    parser.add_argument(
+        "--chrome-merge",
+        metavar="PROFILE",
+        help="with --chrome: merge into this torch.profiler Chrome export (its events first, "
+        "ours on its time base, in its processes)",
+    )
     args = parser.parse_args(argv)
+    if args.chrome_merge is not None and args.chrome is None:
+        parser.error("--chrome-merge needs --chrome OUT")
+    if args.chrome is not None:
+        return _main_chrome(args.files, args.chrome, args.strict, args.chrome_merge)
     summary = summarize(args.files)
     out = sys.stdout
     try:
@@ -740,6 +756,56 @@ def main(argv: list[str]) -> int:
     if args.strict and (summary.broken or summary.unknown):
         return 1
     return 0
+
+
+def _file_lines(path: str, max_line: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
+    """The lines of one file (``-``: stdin) as :func:`summarize` reads them."""
+    stream, owned = _open(path)
+    try:
+        yield from _lines(_chunks_of(stream), max_line)
+    finally:
+        if owned:
+            stream.close()
+
+
+def _main_chrome(files: list[str], destination: str, strict: bool, merge: str | None = None) -> int:
+    """``--chrome OUT``: the timeline export (trace/_chrome.py); exit codes as for the summary."""
+    try:
+        from . import _chrome
+    except ImportError:  # this file run on its own, _chrome.py next to it
+        import _chrome  # type: ignore[no-redef]
+    profile = None
+    if merge is not None:
+        try:
+            profile = _chrome.load_profile(merge)
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, not a Chrome trace
+            with contextlib.suppress(OSError):
+                print(
+                    f"fakegrad_patch trace: cannot merge into {_h(merge)}: {_h(exc)}",
+                    file=sys.stderr,
+                )
+            return 2
+    try:
+        stats = _chrome.export_to(files, destination, _file_lines, profile)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            print(
+                f"fakegrad_patch trace: cannot write {_h(destination)}: {_h(exc)}", file=sys.stderr
+            )
+        return 2
+    skipped = f", {stats.skipped} lines skipped" if stats.skipped else ""
+    with contextlib.suppress(OSError):
+        print(
+            f"fakegrad_patch trace: wrote {_h(destination)}: {stats.slices} slices, "
+            f"{stats.instants} instants, {stats.processes} processes, {stats.threads} threads"
+            f"{skipped} (open it in https://ui.perfetto.dev or chrome://tracing)",
+            file=sys.stderr,
+        )
+        for item in stats.unreadable:
+            print(f"fakegrad_patch trace: cannot read {_h(item)}", file=sys.stderr)
+    if stats.unreadable:
+        return 2
+    return 1 if strict and stats.skipped else 0
 
 
 def _silence_stdout() -> None:
