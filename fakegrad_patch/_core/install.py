@@ -303,7 +303,7 @@ class _Applied:
             on_written=_leaves.note_grad,
             # the mode's conversions are checked once per generation: a forward that straddles
             # uninstall() (hooks that outlive it) is caught here too, not only at arming
-            untrusted=lambda grad: self.values.check_mode(getattr(grad, "fake_mode", None)),
+            untrusted=self._untrusted,
         )
         self.hooks = _accumulate.Hooks(self.resolved, self.materializer, self)
         self.arming = _arming.Arming(self.resolved, self.hooks.make_prehook, self)
@@ -343,6 +343,15 @@ class _Applied:
             # dynamo never compiles the patch's frames, nor those of wrapt's import finder (it
             # sees every import once a post-import hook is registered)
             _targets.skip_in_dynamo(__package__.partition(".")[0], "wrapt")
+
+    def _untrusted(self, grad: Any) -> bool:
+        """Was ``grad`` computed from values the patch could not repair? Installed: the arming
+        already checked its mode (a dict read here); after ``uninstall()`` (hooks that outlive
+        it), a Parameter its mode converted while uninstalled taints it."""
+        mode = getattr(grad, "fake_mode", None)
+        if self._active:
+            return self.values.check_mode(mode)
+        return self.values.check_mode(mode, definite_only=True)
 
     # -- first need: probes D1 and P1, zero-copy calibration ------------------------------------
 

@@ -54,6 +54,9 @@ _contacts: WeakIdTable[int] = WeakIdTable()
 _tainted: WeakIdTable[str] = WeakIdTable()
 #: converter -> how many new conversions it had made when the patch last saw one (D2 builds)
 _made: WeakIdTable[int] = WeakIdTable()
+#: converter -> the generation in which its conversions were last checked for Parameters
+#: converted with no record at all (check_mode(definite_only=True))
+_definite: WeakIdTable[int] = WeakIdTable()
 
 
 class _Generation:
@@ -270,21 +273,29 @@ class Values:
 
     # -- conversions the patch did not see -----------------------------------------------------
 
-    def check_mode(self, mode: Any) -> bool:
+    def check_mode(self, mode: Any, *, definite_only: bool = False) -> bool:
         """Before a backward from ``mode``'s fakes: is the mode tainted? (Checks its converter's
-        earlier conversions once per generation.)"""
+        earlier conversions once per generation.)
+
+        ``definite_only`` (a gradient materialized by a hook that outlived ``uninstall()``, the
+        patch still uninstalled): only a Parameter the converter describes with no record of
+        ours at all (converted while uninstalled: a forward that straddles ``uninstall()``)
+        taints the mode; this neither counts as the generation's full check (the next armed
+        backward still runs it) nor uses its re-conversion rule (conversions of plain tensors
+        during the backward, unseen while uninstalled, are harmless)."""
         if mode is None:
             return False
         conv = getattr(mode, "fake_tensor_converter", None)
-        if (
-            conv is not None
-            and getattr(mode, "propagate_real_tensors", False)
-            and _contacts.get(conv) != _Generation.value
-        ):
-            self._contact(conv, mode, None)
+        if conv is not None and getattr(mode, "propagate_real_tensors", False):
+            if definite_only:
+                if _definite.get(conv) != _Generation.value:
+                    _definite.set(conv, _Generation.value)
+                    self._contact(conv, mode, None, definite_only=True)
+            elif _contacts.get(conv) != _Generation.value:
+                self._contact(conv, mode, None)
         return tainted(mode)
 
-    def _contact(self, conv: Any, mode: Any, current: Any) -> None:
+    def _contact(self, conv: Any, mode: Any, current: Any, *, definite_only: bool = False) -> None:
         """First time this generation: did ``conv`` convert Parameters the patch never synced?
         (Only where D2 makes such conversions wrong; once per converter per generation.)
 
@@ -292,7 +303,8 @@ class Values:
         converter made new conversions since the patch last saw one, a Parameter whose recorded
         fake is gone (or is not the one the converter's memo holds now) may have been re-converted
         unseen too: not proven right, so not trusted."""
-        _contacts.set(conv, _Generation.value)
+        if not definite_only:
+            _contacts.set(conv, _Generation.value)
         described = self._r.described_tensors(conv)
         if not described:
             return
@@ -302,7 +314,11 @@ class Values:
             return
         table = _records.get(conv)
         made = self._r.conversions_made(conv)
-        unseen = made is not None and made > _made.get(conv, 0) + (current is not None)
+        unseen = (
+            not definite_only
+            and made is not None
+            and made > _made.get(conv, 0) + (current is not None)
+        )
         memo = self._r.memo_of(conv)
         skip = {id(current), id(current._base)} if current is not None else set()
         for src in described:
