@@ -338,7 +338,8 @@ def _grad_variables_at_callers_line(
     error is left to torch."""
     if kwargs.get("grad_variables") is None or len(args) > 1 or "grad_tensors" in kwargs:
         return kwargs
-    level, frame = 3, sys._getframe(2)  # 1: here, 2: Arming.backward, 3: its caller
+    level = 3  # 1: here, 2: Arming.backward, 3: its caller
+    frame: Any = sys._getframe(2)
     while frame is not None and os.path.dirname(frame.f_code.co_filename) == _WRAPT_DIR:
         level, frame = level + 1, frame.f_back  # wrapt without its C extension: Python frames
     warnings.warn(_GRAD_VARIABLES_DEPRECATED, FutureWarning, stacklevel=level)
@@ -347,7 +348,7 @@ def _grad_variables_at_callers_line(
     return kwargs
 
 
-class BackwardWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
+class BackwardWrapper(wrapt.FunctionWrapper):
     """The ``torch.autograd.backward`` wrapper, as transparent as a wrapper can be: it pickles
     (by reference, the bytes torch's function gives), copies and deep-copies as torch's function
     does (wrapt's proxy raises ``NotImplementedError`` for ``__reduce__``)."""
