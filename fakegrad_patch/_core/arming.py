@@ -60,6 +60,8 @@ _hooked: dict[int, list[Any]] = {}
 #: hooks that outlive their backward call (armed by uninstall()): they die with their node
 _lasting: list[Any] = []
 
+_Tensor = torch.Tensor
+
 PreHookFactory = Callable[[torch.Tensor], Callable[[tuple[Any, ...]], Any]]
 
 
@@ -88,6 +90,18 @@ class Arming:
     ) -> Any:
         if kwargs and "grad_variables" in kwargs:
             kwargs = _grad_variables_at_callers_line(args, kwargs)
+        elif (
+            len(args) > 1
+            and type(args[0]) is _Tensor
+            and (args[1] is None or type(args[1]) is _Tensor)
+        ):
+            # Tensor.backward's call on a real root with a real or no gradient: nothing to arm
+            # (what _arm_call would find), only DDP's scope to check
+            scope = self._applied._ddp.backward_scope()
+            if scope is None:
+                return wrapped(*args, **kwargs)
+            with scope:
+                return wrapped(*args, **kwargs)
         if not self.active or bypassed():
             return wrapped(*args, **kwargs)
         token = None
