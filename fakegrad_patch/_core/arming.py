@@ -410,11 +410,13 @@ def need_mode(mode: Any) -> None:
 
 
 def _mode_died(key: int, ref: Any) -> None:
+    # A weak reference callback: may run inside the garbage collector anywhere, the trace
+    # sink's own write included, so this settles without emitting an event.
     if _modes.get(key) is ref:
         del _modes[key]
     site = _Sites.current
     if site is not None:
-        site.changed()
+        site.changed(quiet=True)
 
 
 class BackwardSite:
@@ -462,7 +464,7 @@ class BackwardSite:
             _Sites.current = None
         return not self._in_place
 
-    def changed(self) -> None:
+    def changed(self, *, quiet: bool = False) -> None:
         # Lock-free hand-over: record the change, then apply it unless another thread (or this
         # one, below us on the stack) holds the lock; that one re-checks after releasing it.
         self._dirty = True
@@ -471,11 +473,11 @@ class BackwardSite:
                 return
             try:
                 self._dirty = False
-                self._settle()
+                self._settle(quiet)
             finally:
                 self._lock.release()
 
-    def _settle(self) -> None:
+    def _settle(self, quiet: bool) -> None:
         want = not self._closed and (self._policy or bool(_modes))
         if want == self._in_place:
             return
@@ -498,8 +500,8 @@ class BackwardSite:
             self._in_place = False
             self.counts[1] += 1
             event = "backward_wrapper_removed"
-        if trace.enabled(trace.DEBUG):
-            trace.emit(event, trace.DEBUG, modes=len(_modes), policy=self._policy)
+        if not quiet and trace.enabled(trace.DEBUG):
+            trace.emit(event, trace.DEBUG, modes=len(_modes), explicit_policy=self._policy)
 
 
 def _rewrapped(owner: Any, attr: str, *, before: bool) -> None:
