@@ -180,6 +180,31 @@ def test_in_place_while_a_propagating_mode_lives_and_torchs_again_after() -> Non
     assert torch.autograd.backward is original
 
 
+def test_a_real_backward_runs_no_code_of_the_package_outside_propagating_modes() -> None:
+    """P1's reason, counted: no Python call of fakegrad_patch (or wrapt) in real steps."""
+    import sys
+
+    _collect_until_removed()
+    assert fakegrad_patch.status()["backward_wrapped"] is False
+    w = torch.ones(3, requires_grad=True)
+    lin = torch.nn.Linear(4, 2)
+    ours: list[str] = []
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        name = frame.f_code.co_filename
+        if event == "call" and ("fakegrad_patch" in name or os.sep + "wrapt" + os.sep in name):
+            ours.append(f"{name}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(10):
+            (w * w).sum().backward()
+            torch.autograd.backward([lin(torch.ones(1, 4)).sum()])
+    finally:
+        sys.setprofile(None)
+    assert ours == []
+
+
 def test_a_propagating_mode_that_never_converts_still_arms_fake_gradients() -> None:
     """``g = torch.ones(3)`` in the mode converts nothing: the mode is seen when it is built."""
     mode = _propagating_mode()
