@@ -338,7 +338,7 @@ def armed_count() -> int:
 
 # -- where the interception is in place (issue 28) -----------------------------------------------
 
-#: torch's own words (``torch.autograd.backward``, 2.4.0 ... 2.15.0)
+#: torch's own words (``torch.autograd.backward``; read on 2.13.0 and 2.14.1)
 _GRAD_VARIABLES_DEPRECATED = "`grad_variables` is deprecated. Use `grad_tensors` instead."
 _WRAPT_DIR = os.path.dirname(os.path.abspath(wrapt.__file__))
 

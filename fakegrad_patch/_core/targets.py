@@ -281,6 +281,7 @@ FAKE_MODE_INIT = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorMode.__init__",
     "optional: a propagating mode is built (backward interception while it lives)",
+    ("2.13.0+cpu", "2.14.1+cu130"),
 )
 
 #: WRITTEN, OPTIONAL. TorchScript's builtin table (``torch.jit._builtins._builtin_ops``, a list of
@@ -295,6 +296,7 @@ SCRIPT_BUILTINS = Target(
     "torch.jit._builtins",
     "_builtin_ops",
     "optional: TorchScript sees torch's builtin for the backward wrapper",
+    ("2.13.0+cpu", "2.14.1+cu130"),
 )
 
 ALL_TARGETS: tuple[Target, ...] = (
