@@ -442,8 +442,14 @@ class BackwardSite:
         self._lock = threading.Lock()
         #: [times put in place, times removed], for tests
         self.counts = [0, 0]
+        self._started = False
+
+    def start(self) -> None:
+        """Follow the need from now on (the installation is complete): modes seen by an
+        earlier installation may still live."""
+        self._started = True
         _Sites.current = self
-        self.changed()  # modes seen by an earlier installation may still live
+        self.changed()
 
     def in_place(self) -> bool:
         return self._in_place
@@ -468,6 +474,8 @@ class BackwardSite:
         # Lock-free hand-over: record the change, then apply it unless another thread (or this
         # one, below us on the stack) holds the lock; that one re-checks after releasing it.
         self._dirty = True
+        if not self._started:
+            return
         while self._dirty:
             if not self._lock.acquire(blocking=False):
                 return

@@ -343,6 +343,7 @@ class _Applied:
             wrapt.wrap_function_wrapper(error_cls, "__init__", self._mismatch.init)
             self._mismatch_wrapper = error_cls.__dict__["__init__"]
         self.apply_settings()
+        self.backward_site.start()  # last: a failed installation never leaves it in place
         if not _state.dynamo_skip:
             _state.dynamo_skip = True
             # dynamo never compiles the patch's frames, nor those of wrapt's import finder (it
