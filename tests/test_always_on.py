@@ -309,3 +309,41 @@ def _line_of_next() -> int:
     import sys
 
     return sys._getframe(1).f_lineno
+
+
+def test_modes_built_used_and_dropped_in_threads_leave_torchs_function() -> None:
+    """Threads build propagating modes, backward through them and drop them while others run
+    real backward passes and collect garbage: every fake backward writes real gradients, and
+    torch's function is back once the last mode is gone."""
+    _collect_until_removed()
+    original = _torchs_backward()
+    errors: list[BaseException] = []
+
+    def fake_worker() -> None:
+        try:
+            for _ in range(8):
+                w = torch.randn(3, requires_grad=True)
+                with _propagating_mode():
+                    (w * 2).sum().backward()
+                assert is_real(w.grad), type(w.grad)
+                gc.collect()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def real_worker() -> None:
+        try:
+            w = torch.ones(3, requires_grad=True)
+            for _ in range(200):
+                (w * w).sum().backward()
+            torch.testing.assert_close(w.grad, torch.full((3,), 400.0))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=f) for f in (fake_worker, fake_worker, real_worker)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    _collect_until_removed()
+    assert torch.autograd.backward is original
