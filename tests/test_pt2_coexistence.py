@@ -68,8 +68,9 @@ PROGRAMS: dict[str, tuple[str, Any]] = _load_programs().PROGRAMS
 NAMES = list(PROGRAMS)
 
 
-def _env(cache_dir: str) -> dict[str, str]:
+def _env(cache_dir: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")}
+    env.pop("COEXIST_PROGRAMS", None)
     env.update(
         TORCHINDUCTOR_CACHE_DIR=cache_dir,  # cold for each interpreter: nothing shared, no cache
         TORCHINDUCTOR_COMPILE_THREADS="1",  # no compile worker pool on a 2-core machine
@@ -78,11 +79,16 @@ def _env(cache_dir: str) -> dict[str, str]:
     )
     if BUFFERS:
         env["FAKEGRAD_BUFFERS"] = BUFFERS
+    env.update(extra or {})
     return env
 
 
-def _run_mode(mode: str, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Run ``names`` in as few interpreters as crashes allow; one record per name."""
+def _run_mode(
+    mode: str, names: list[str], env: dict[str, str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Run ``names`` in as few interpreters as crashes allow; one record per name. ``env``:
+    more environment variables (tests/test_always_on.py: ``COEXIST_PROGRAMS``,
+    ``FAKEGRAD_PATCH``)."""
     records: dict[str, dict[str, Any]] = {}
     left = list(names)
     while left:
@@ -93,7 +99,7 @@ def _run_mode(mode: str, names: list[str]) -> dict[str, dict[str, Any]]:
             try:
                 proc = subprocess.run(
                     [sys.executable, str(RUNNER), mode, str(out), *batch],
-                    env=_env(str(pathlib.Path(tmp) / "inductor")),
+                    env=_env(str(pathlib.Path(tmp) / "inductor"), env),
                     capture_output=True,
                     text=True,
                     timeout=TIMEOUT,

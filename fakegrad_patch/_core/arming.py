@@ -33,12 +33,18 @@ private engine entry ``torch._C._EngineBase.run_backward`` called directly, and 
 
 from __future__ import annotations
 
+import functools
+import os
+import pydoc
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import wrapt
 
 from .. import _config, trace
 from . import leaves as _leaves
@@ -54,6 +60,8 @@ _lock = threading.Lock()
 _hooked: dict[int, list[Any]] = {}
 #: hooks that outlive their backward call (armed by uninstall()): they die with their node
 _lasting: list[Any] = []
+
+_Tensor = torch.Tensor
 
 PreHookFactory = Callable[[torch.Tensor], Callable[[tuple[Any, ...]], Any]]
 
@@ -81,6 +89,20 @@ class Arming:
     def backward(
         self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if kwargs and "grad_variables" in kwargs:
+            kwargs = _grad_variables_at_callers_line(args, kwargs)
+        elif (
+            len(args) > 1
+            and type(args[0]) is _Tensor
+            and (args[1] is None or type(args[1]) is _Tensor)
+        ):
+            # Tensor.backward's call on a real root with a real or no gradient: nothing to arm
+            # (what _arm_call would find), only DDP's scope to check
+            scope = self._applied._ddp.backward_scope()
+            if scope is None:
+                return wrapped(*args, **kwargs)
+            with scope:
+                return wrapped(*args, **kwargs)
         if not self.active or bypassed():
             return wrapped(*args, **kwargs)
         token = None
@@ -319,3 +341,197 @@ def armed_count() -> int:
     """Hooks of the patch on live nodes now (for ``status()``, tests and doctor)."""
     with _lock:
         return len(_hooked) + sum(1 for h in _lasting if h.hooks_dict_ref() is not None)
+
+
+# -- where the interception is in place (issue 28) -----------------------------------------------
+
+#: torch's own words (``torch.autograd.backward``; read on 2.13.0 and 2.14.1)
+_GRAD_VARIABLES_DEPRECATED = "`grad_variables` is deprecated. Use `grad_tensors` instead."
+_WRAPT_DIR = os.path.dirname(os.path.abspath(wrapt.__file__))
+
+
+def _grad_variables_at_callers_line(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """``backward(..., grad_variables=g)`` through the wrapper: torch's FutureWarning (its
+    ``stacklevel=2``) would name the wrapper's frame. Warn here for torch, at the caller's line,
+    and hand torch ``grad_tensors`` instead. When ``grad_tensors`` is also given, torch's own
+    error is left to torch."""
+    if kwargs.get("grad_variables") is None or len(args) > 1 or "grad_tensors" in kwargs:
+        return kwargs
+    level = 3  # 1: here, 2: Arming.backward, 3: its caller
+    frame: Any = sys._getframe(2)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _WRAPT_DIR:
+        level, frame = level + 1, frame.f_back  # wrapt without its C extension: Python frames
+    warnings.warn(_GRAD_VARIABLES_DEPRECATED, FutureWarning, stacklevel=level)
+    kwargs = dict(kwargs)
+    kwargs["grad_tensors"] = kwargs.pop("grad_variables")
+    return kwargs
+
+
+class BackwardWrapper(wrapt.FunctionWrapper):
+    """The ``torch.autograd.backward`` wrapper, as transparent as a wrapper can be: it pickles
+    (by reference, the bytes torch's function gives), copies and deep-copies as torch's function
+    does (wrapt's proxy raises ``NotImplementedError`` for ``__reduce__``)."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        module = sys.modules.get(self.__module__)
+        name = self.__qualname__
+        if module is not None and getattr(module, name, None) is self:
+            return name  # pickle by reference: module and name, exactly torch's bytes
+        # not in place now (a reference kept after it was removed): whatever that name is
+        # when unpickled, without needing fakegrad_patch there
+        return (pydoc.locate, (f"{self.__module__}.{name}",))
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return self
+
+
+#: Propagating modes seen alive by any installation: id(mode) -> weak reference (its callback
+#: removes the entry). Process-wide, so a mode built while one installation was applied keeps a
+#: later installation's interception in place too.
+_modes: dict[int, weakref.ref[Any]] = {}
+
+
+class _Sites:
+    #: the site of the installation in force, told when a mode dies
+    current: BackwardSite | None = None
+
+
+def need_mode(mode: Any) -> None:
+    """``mode`` propagates real values: the interception stays in place while it lives."""
+    key = id(mode)
+    ref = _modes.get(key)
+    if ref is not None and ref() is mode:
+        return
+    _modes[key] = weakref.ref(mode, functools.partial(_mode_died, key))
+    site = _Sites.current
+    if site is not None:
+        site.changed()
+
+
+def _mode_died(key: int, ref: Any) -> None:
+    # A weak reference callback: may run inside the garbage collector anywhere, the trace
+    # sink's own write included, so this settles without emitting an event.
+    if _modes.get(key) is ref:
+        del _modes[key]
+    site = _Sites.current
+    if site is not None:
+        site.changed(quiet=True)
+
+
+class BackwardSite:
+    """Puts ``wrapper`` in place of ``owner.<attr>`` only while it is needed, and torch's own
+    function back (the same object) when it no longer is.
+
+    Needed while a propagating mode lives (:func:`need_mode`: a mode registered when it is built
+    or when it converts a real tensor; it stays registered until it is garbage collected) or a
+    policy is set explicitly (:meth:`set_policy`: arming then applies to modes without real
+    values too). Thread-safe: any thread may change the need, a mode's death included (a weak
+    reference callback, possibly run by the garbage collector in the middle of other code): the
+    change is recorded at once and applied by whoever holds the lock, never waiting for it."""
+
+    def __init__(self, owner: Any, attr: str, wrapper: Any, original: Any) -> None:
+        self._owner = owner
+        self._attr = attr
+        self.wrapper = wrapper
+        self.original = original
+        self._policy = False
+        self._closed = False
+        self._in_place = False
+        self._dirty = False
+        self._lock = threading.Lock()
+        #: [times put in place, times removed], for tests
+        self.counts = [0, 0]
+        self._started = False
+
+    def start(self) -> None:
+        """Follow the need from now on (the installation is complete): modes seen by an
+        earlier installation may still live."""
+        self._started = True
+        _Sites.current = self
+        self.changed()
+
+    def in_place(self) -> bool:
+        return self._in_place
+
+    need_mode = staticmethod(need_mode)
+
+    def set_policy(self, explicit: bool) -> None:
+        if explicit != self._policy:
+            self._policy = explicit
+            self.changed()
+
+    def close(self) -> bool:
+        """For ``uninstall()``: torch's function back for good. Returns False when somebody
+        wrapped over ours (theirs is left in place; ours passes calls through)."""
+        self._closed = True
+        self.changed()
+        if _Sites.current is self:
+            _Sites.current = None
+        return not self._in_place
+
+    def changed(self, *, quiet: bool = False) -> None:
+        # Lock-free hand-over: record the change, then apply it unless another thread (or this
+        # one, below us on the stack) holds the lock; that one re-checks after releasing it.
+        self._dirty = True
+        if not self._started:
+            return
+        while self._dirty:
+            if not self._lock.acquire(blocking=False):
+                return
+            try:
+                self._dirty = False
+                self._settle(quiet)
+            finally:
+                self._lock.release()
+
+    def _settle(self, quiet: bool) -> None:
+        want = not self._closed and (self._policy or bool(_modes))
+        if want == self._in_place:
+            return
+        owner, attr = self._owner, self._attr
+        current = owner.__dict__.get(attr)
+        if want:
+            if current is not self.original and current is not self.wrapper:
+                _rewrapped(owner, attr, before=True)
+                return
+            setattr(owner, attr, self.wrapper)
+            self._in_place = True
+            self.counts[0] += 1
+            event = "backward_wrapper_installed"
+        else:
+            if current is not self.wrapper:
+                if self._closed:
+                    _rewrapped(owner, attr, before=False)
+                return  # somebody wrapped over ours: theirs stays; ours passes calls through
+            setattr(owner, attr, self.original)
+            self._in_place = False
+            self.counts[1] += 1
+            event = "backward_wrapper_removed"
+        if not quiet and trace.enabled(trace.DEBUG):
+            trace.emit(event, trace.DEBUG, modes=len(_modes), explicit_policy=self._policy)
+
+
+def _rewrapped(owner: Any, attr: str, *, before: bool) -> None:
+    from .state import warn_once
+
+    name = f"{getattr(owner, '__name__', owner)}.{attr}"
+    if before:
+        message = (
+            f"fakegrad_patch: {name} was replaced by someone else after fakegrad_patch was "
+            "applied; not putting the fakegrad_patch layer over it (fake gradients into real "
+            "graphs keep upstream behaviour)."
+        )
+    else:
+        message = (
+            f"fakegrad_patch: {name} was re-wrapped by someone else after fakegrad_patch; leaving "
+            "it in place (the fakegrad_patch layer is now inactive)."
+        )
+    warn_once(f"rewrapped:{attr}", message, stacklevel=4)

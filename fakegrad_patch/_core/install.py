@@ -212,6 +212,9 @@ def status() -> dict[str, Any]:
         "write_back": bool(applied and applied.write_back.enabled),
         # in-place updates of real tensors that reached only a fake copy (update_lost events)
         "updates_lost": _lost_count(),
+        # torch.autograd.backward is our wrapper now (only while a propagating mode lives or a
+        # policy is set explicitly; torch's own function otherwise)
+        "backward_wrapped": bool(applied and applied.backward_site.in_place()),
     }
 
 
@@ -293,10 +296,6 @@ class _Applied:
         self.resolved = _targets.resolve_all()
         self.probes = _probes.Probes(self.resolved)
         self.write_back = _writeback.WriteBack(self.resolved, self)
-        try:
-            self.write_back.watch_modes()
-        except Exception as exc:  # never break the host: dispatch is wrapped at first conversion
-            self.internal_error("write_back", exc)
         self.values = _values.Values(self.resolved, self.probes, self)
         self.materializer = _accumulate.Materializer(
             self.resolved,
@@ -308,11 +307,31 @@ class _Applied:
         self.hooks = _accumulate.Hooks(self.resolved, self.materializer, self)
         self.arming = _arming.Arming(self.resolved, self.hooks.make_prehook, self)
         self._bypass = _probes._bypass
+        self._bypassed = _probes.bypassed
         self._active = True
         #: None until first need; then whether upstream has D1 (True: arm leaves).
         self._arming: bool | None = None
         self._ready_lock = threading.Lock()
         self.fake_leaves = _fakeleaves.FakeLeaves(self)
+
+        # torch.autograd.backward is wrapped only while needed (issue 28): while a propagating
+        # mode lives (registered when built, FakeTensorMode.__init__ wrapped, or when it
+        # converts) or a policy is set explicitly; torch's own function object otherwise.
+        autograd = torch.autograd
+        self._autograd = autograd
+        original = autograd.__dict__["backward"]
+        self._backward_wrapper: Any = _arming.BackwardWrapper(original, self.arming.backward)
+        _targets.register_script_builtin(self._backward_wrapper, original)
+        self.backward_site = _arming.BackwardSite(
+            autograd, "backward", self._backward_wrapper, original
+        )
+        self._mode_init_wrapper: Any = None
+        mode_cls = self.resolved.fake_mode_cls
+        if "__init__" in mode_cls.__dict__ and _targets._resolve_optional(_targets.FAKE_MODE_INIT):
+            wrapt.wrap_function_wrapper(mode_cls, "__init__", self._mode_built)
+            self._mode_init_wrapper = mode_cls.__dict__["__init__"]
+        #: modes cannot be seen being built: the interception is in place for good
+        self._always = self._mode_init_wrapper is None
 
         cls = self.resolved.converter_cls
         self._cls = cls
@@ -320,11 +339,6 @@ class _Applied:
         wrapt.wrap_function_wrapper(cls, _ATTR, self.values.from_real_tensor)
         self._wrapper: Any = cls.__dict__[_ATTR]
         self._original: Any = self._wrapper.__wrapped__
-
-        autograd = torch.autograd
-        self._autograd = autograd
-        wrapt.wrap_function_wrapper(autograd, "backward", self.arming.backward)
-        self._backward_wrapper: Any = autograd.backward
 
         from . import ddp as _ddp
 
@@ -338,6 +352,7 @@ class _Applied:
             wrapt.wrap_function_wrapper(error_cls, "__init__", self._mismatch.init)
             self._mismatch_wrapper = error_cls.__dict__["__init__"]
         self.apply_settings()
+        self.backward_site.start()  # last: a failed installation never leaves it in place
         if not _state.dynamo_skip:
             _state.dynamo_skip = True
             # dynamo never compiles the patch's frames, nor those of wrapt's import finder (it
@@ -430,11 +445,37 @@ class _Applied:
         baseline = AdoptBaseline(*exclusive[0])
         return None if baseline.admits(shared[0]) else baseline
 
+    def _mode_built(
+        self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``FakeTensorMode.__init__`` wrapper: a propagating mode keeps the backward
+        interception in place while it lives; one without a ShapeEnv (a user's, not a tracer's)
+        has its ops watched from the first one (in-place updates of real tensors: issue 25)."""
+        result = wrapped(*args, **kwargs)
+        if (
+            getattr(instance, "propagate_real_tensors", False)
+            and self._active
+            and not self._bypassed()
+        ):
+            try:
+                self.backward_site.need_mode(instance)
+                if not self.write_back.observing and getattr(instance, "shape_env", None) is None:
+                    self.write_back.observe()
+            except Exception as exc:  # never break the host
+                self.internal_error("mode", exc)
+        return result
+
     def apply_settings(self) -> None:
         """Follow the settings that need wrappers: ``buffers="write_back"`` wraps
-        ``FakeTensorMode.dispatch`` while it is on (never raises)."""
-        want = _config.current().buffers == "write_back"
+        ``FakeTensorMode.dispatch`` while it is on; an explicit ``on_missing`` keeps the backward
+        interception in place (arming applies to modes without real values then). Never
+        raises."""
+        settings = _config.current()
+        want = settings.buffers == "write_back"
         try:
+            self.values.plain_policy = settings.on_missing_explicit
+            if self._active:
+                self.backward_site.set_policy(settings.on_missing_explicit or self._always)
             if want and not self.write_back.enabled:
                 if not self.write_back.enable():
                     reason = "FakeTensorMode.dispatch not found on this build"
@@ -480,7 +521,11 @@ class _Applied:
         except Exception as exc:  # never break the host
             self.internal_error("uninstall", exc)
         self._unwrap(self._cls, _ATTR, self._wrapper, self._original, self._had_own_attr)
-        self._unwrap(self._autograd, "backward", self._backward_wrapper, None, True)
+        self.backward_site.close()
+        if self._mode_init_wrapper is not None:
+            self._unwrap(
+                self.resolved.fake_mode_cls, "__init__", self._mode_init_wrapper, None, True
+            )
         self._mismatch.active = False
         if self._mismatch_wrapper is not None:
             self._unwrap(self._mismatch_cls, "__init__", self._mismatch_wrapper, None, True)

@@ -259,20 +259,6 @@ FAKE_MODE_DISPATCH = Target(
     "optional: buffers='write_back' (the outermost op of a mode)",
 )
 
-#: WRAPPED, OPTIONAL. ``FakeTensorMode.__init__``: a mode reads
-#: ``fake_tensor_propagate_real_tensors`` when it is built (``self.propagate_real_tensors``). The
-#: wrapper (fakegrad_patch/_core/writeback.py) calls upstream's first and, when the new mode
-#: propagates real values and has no ShapeEnv (a user's mode, not a tracer's), wraps
-#: ``dispatch`` (FAKE_MODE_DISPATCH) before the mode's first op, so that every in-place update
-#: of a real tensor the mode makes is seen from its first op. Same attribute names on 2.13.0
-#: and 2.14.1. Absent: ``dispatch`` is wrapped at the first propagating conversion instead (the
-#: very first op's direct writes are still seen through the converting frame).
-FAKE_MODE_INIT = Target(
-    FAKE_TENSOR_MODULE,
-    "FakeTensorMode.__init__",
-    "optional: watch in-place updates from a propagating mode's first op",
-)
-
 #: WRAPPED, OPTIONAL. ``MetadataMismatchError`` (a dataclass ``RuntimeError`` with ``reason``):
 #: raised by ``FakeTensorMode._maybe_infer_fake`` when real-value propagation finds an op's fake
 #: output metadata different from the real kernel's ("Real tensor propagation found a metadata
@@ -305,6 +291,39 @@ RECORD_FUNCTION_FAST = Target(
     "optional: name the patch's work (arm, materialize) in torch.profiler traces",
 )
 
+#: WRAPPED, OPTIONAL. ``FakeTensorMode.__init__``: after a mode is built, the wrapper reads its
+#: ``propagate_real_tensors`` (PROPAGATE_ATTR); a propagating mode puts the
+#: ``torch.autograd.backward`` interception in place for as long as it lives (issue 28: a process
+#: that never builds one runs torch's own ``backward``). A mode that propagates but never converts
+#: a real tensor still needs it: ``g = torch.ones(3)`` inside it, then ``real_out.backward(g)``.
+#: A propagating mode without a ShapeEnv also wraps ``dispatch`` (FAKE_MODE_DISPATCH) before its
+#: first op (issue 25: every in-place update of a real tensor it makes is seen, reported or
+#: written back). Cost: one call per mode built (none per op). Same name on 2.13.0 and 2.14.1.
+#: Absent: the interception is in place for the whole installation (0.3's behaviour), and
+#: ``dispatch`` is wrapped at the first propagating conversion (the very first op's direct writes
+#: are still seen through the converting frame).
+FAKE_MODE_INIT = Target(
+    FAKE_TENSOR_MODULE,
+    "FakeTensorMode.__init__",
+    "optional: a propagating mode is built (backward interception while it lives)",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+
+#: WRITTEN, OPTIONAL. TorchScript's builtin table (``torch.jit._builtins._builtin_ops``, a list of
+#: ``(function, "aten::...")`` read when ``_builtin_table`` (``id(function) -> op name``, None
+#: until first use) is built): ``torch.autograd.backward`` is ``aten::backward`` there, keyed by
+#: the function object's ``id``. While the interception is in place, the wrapper is added with
+#: torch's op name (to the table if built, to the list otherwise), so a scripted function that
+#: calls ``torch.autograd.backward`` still compiles to the builtin. Same names on 2.13.0 and
+#: 2.14.1. Absent: scripting a call to ``torch.autograd.backward`` while a propagating mode lives
+#: fails as it did in 0.3.
+SCRIPT_BUILTINS = Target(
+    "torch.jit._builtins",
+    "_builtin_ops",
+    "optional: TorchScript sees torch's builtin for the backward wrapper",
+    ("2.13.0+cpu", "2.14.1+cu130"),
+)
+
 ALL_TARGETS: tuple[Target, ...] = (
     FROM_REAL_TENSOR,
     FAKE_TENSOR,
@@ -327,6 +346,7 @@ ALL_TARGETS: tuple[Target, ...] = (
     METADATA_MISMATCH_ERROR,
     PROFILER_ENABLED,
     RECORD_FUNCTION_FAST,
+    SCRIPT_BUILTINS,
 )
 
 #: Targets whose absence degrades a detail instead of blocking the patch.
@@ -343,6 +363,7 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
         METADATA_MISMATCH_ERROR,
         PROFILER_ENABLED,
         RECORD_FUNCTION_FAST,
+        SCRIPT_BUILTINS,
     }
 )
 
@@ -352,7 +373,8 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
 # WRAPPED (public): ``torch.autograd.backward``, the function ``Tensor.backward`` calls, to arm
 # the leaves of a *real* graph that receives a fake gradient (``out.backward(fake_grad)``): no
 # conversion happens there, so the converter wrapper never sees those leaves. Checked on the
-# builds above: ``Tensor.backward`` looks ``torch.autograd.backward`` up at call time.
+# builds above: ``Tensor.backward`` looks ``torch.autograd.backward`` up at call time. In place
+# only while a propagating mode lives or a policy is set explicitly (issue 28, _core/arming.py).
 AUTOGRAD_BACKWARD = Target(
     "torch.autograd",
     "backward",
@@ -830,3 +852,34 @@ def resolve_profiler() -> tuple[Callable[[], bool], Callable[[str], Any]] | None
     if not callable(enabled) or not callable(record):
         return None
     return enabled, record
+
+
+# ==============================================================================================
+# --- TorchScript's builtin table (SCRIPT_BUILTINS) ---------------------------------------------
+# ==============================================================================================
+
+#: every object registered as a builtin: kept alive for the process, so its ``id`` is never
+#: reused by another object while the table maps it (one per installation; tiny)
+_SCRIPT_REGISTERED: list[Any] = []
+
+
+def register_script_builtin(alias: Any, original: Any) -> bool:
+    """Make TorchScript treat ``alias`` as the builtin ``original`` is (SCRIPT_BUILTINS).
+    Returns True when registered; never raises, never builds the table itself."""
+    try:
+        ops = resolve(SCRIPT_BUILTINS)
+        module = importlib.import_module(SCRIPT_BUILTINS.module)
+        table = getattr(module, "_builtin_table", None)
+        name = table.get(id(original)) if isinstance(table, dict) else None
+        if name is None:
+            name = next((op for fn, op in ops if fn is original), None)
+        if not isinstance(name, str):
+            return False
+        _SCRIPT_REGISTERED.append(alias)
+        if isinstance(table, dict):
+            table[id(alias)] = name
+        else:
+            ops.append((alias, name))  # read when the table is built
+        return True
+    except Exception:
+        return False

@@ -88,6 +88,9 @@ class Values:
         self._is_fake = resolved.is_fake
         self._real_of = resolved.real_of
         self.active = True
+        #: ``on_missing`` set explicitly: conversions by modes without real values matter too
+        #: (kept by ``_Applied.apply_settings``; the early exit reads it)
+        self.plain_policy = False
         #: probe D2, read at the first propagating conversion
         self._d2: bool | None = None
         #: buffers="write_back" (issue 18): aliases op inputs that do not require grad
@@ -98,12 +101,21 @@ class Values:
     def from_real_tensor(
         self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        # Early exit first (issue 28): a mode without real values, no explicit policy, no
+        # mirroring switch open: torch's converter, before any other work of ours.
+        mode = args[0] if args else kwargs.get("fake_mode")
+        if (
+            not getattr(mode, "propagate_real_tensors", False)
+            and not self.plain_policy
+            and not self._applied.fake_leaves.mirroring()
+        ):
+            return wrapped(*args, **kwargs)
         fake = wrapped(*args, **kwargs)
         if not self.active or bypassed():
             return fake
         try:
-            mode = args[0] if args else kwargs["fake_mode"]
             if getattr(mode, "propagate_real_tensors", False):
+                self._applied.backward_site.need_mode(mode)
                 t = args[1] if len(args) > 1 else kwargs["t"]
                 if kwargs and (
                     kwargs.get("source") is not None or getattr(mode, "shape_env", None) is not None

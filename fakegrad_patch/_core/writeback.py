@@ -109,9 +109,10 @@ class _Frame:
 class WriteBack:
     """One installation's in-place machinery: reports (always) and write-back (opt-in).
 
-    ``FakeTensorMode.dispatch`` is wrapped at first need, the first op input a propagating user
-    mode converts (:meth:`observe`), or when write-back is turned on; until then nothing here
-    runs. Wrapped, it returns at once for modes without real values or with a ShapeEnv."""
+    ``FakeTensorMode.dispatch`` is wrapped at first need (:meth:`observe`): when a propagating
+    user mode is built (install's ``FakeTensorMode.__init__`` wrapper), at the first op input such
+    a mode converts, or when write-back is turned on; until then nothing here runs. Wrapped, it
+    returns at once for modes without real values or with a ShapeEnv."""
 
     def __init__(self, resolved: Any, applied: Any) -> None:
         self._r = resolved
@@ -137,7 +138,6 @@ class WriteBack:
         #: ``FakeTensorMode.dispatch`` wrapped (reports; write-back when enabled)
         self.observing = False
         self._wrapper: Any = None
-        self._init_wrapper: Any = None
         self._step_hook: Any = None
 
     # -- on / off --------------------------------------------------------------------------------
@@ -162,34 +162,6 @@ class WriteBack:
             self._wrapper = cls.__dict__[name]
             self.observing = True
         return True
-
-    def watch_modes(self) -> None:
-        """Wrap ``FakeTensorMode.__init__`` (optional target): a propagating user mode makes
-        :meth:`observe` happen before its first op."""
-        import wrapt
-
-        cls = self._r.fake_mode_cls
-        if _targets._resolve_optional(_targets.FAKE_MODE_INIT) is None:
-            return
-        if "__init__" not in cls.__dict__ or self._init_wrapper is not None:
-            return
-        wrapt.wrap_function_wrapper(cls, "__init__", self._mode_init)
-        self._init_wrapper = cls.__dict__["__init__"]
-
-    def _mode_init(
-        self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        result = wrapped(*args, **kwargs)
-        if (
-            not self.observing
-            and getattr(instance, "propagate_real_tensors", False)
-            and getattr(instance, "shape_env", None) is None
-        ):
-            try:
-                self.observe()
-            except Exception as exc:  # never break the host
-                self._applied.internal_error("write_back", exc)
-        return result
 
     def enable(self) -> bool:
         """Write-back on; False (write-back unavailable) when ``dispatch`` is missing."""
@@ -224,11 +196,8 @@ class WriteBack:
         return count
 
     def remove(self) -> None:
-        """``uninstall()``: write-back off, ``dispatch`` and ``__init__`` unwrapped."""
+        """``uninstall()``: write-back off and ``dispatch`` unwrapped."""
         self.disable()
-        init, self._init_wrapper = self._init_wrapper, None
-        if init is not None:
-            self._applied._unwrap(self._r.fake_mode_cls, "__init__", init, None, True)
         with self._lock:
             if not self.observing:
                 return

@@ -73,6 +73,9 @@ KNOWN_EVENTS = frozenset(
         "write_back_enabled",
         "write_back_disabled",
         "write_back_unavailable",
+        # issue 28: torch.autograd.backward wrapped only while needed
+        "backward_wrapper_installed",
+        "backward_wrapper_removed",
         "buffer_written_back",
         "buffer_not_written_back",
         "propagation_mismatch",

@@ -1,10 +1,15 @@
 """Run coexistence programs (programs.py) in this fresh interpreter and write one JSON line each.
 
-    python tests/pt2/runner.py patched|unpatched OUT.jsonl PROGRAM [PROGRAM ...]
+    python tests/pt2/runner.py patched|unpatched|env OUT.jsonl PROGRAM [PROGRAM ...]
 
 ``patched``: ``import fakegrad_patch`` before torch (the way a user switches it on for a whole
-process); ``unpatched``: fakegrad_patch is never imported. Before each program a ``started`` line
-is written (and flushed), after it the record, so a crash (segfault) names the program it hit.
+process); ``unpatched``: fakegrad_patch is never imported; ``env``: no import, the start-up hook
+does it (the caller sets ``FAKEGRAD_PATCH=1``; where the hook is not installed in this interpreter
+the records say ``fakegrad_patch_imported: false``). ``COEXIST_PROGRAMS=path.py`` runs the programs
+of another module with the same interface (``PROGRAMS``, ``reset_torch_state``, ``Recorder``,
+``Skip``, ``exception_record``, ``normalize_text``; tests/pt2/always_on.py). Before each program
+a ``started`` line is written (and flushed), after it the record, so a crash (segfault) names the
+program it hit.
 
 Each record: the program's own observations (``result``), an unexpected exception (``exception``,
 type and message, plus a traceback that is not compared), ``skip`` (the build lacks an API), the
@@ -27,7 +32,7 @@ from typing import Any
 
 def _main(argv: list[str]) -> int:
     mode, out_path, names = argv[0], argv[1], argv[2:]
-    if mode not in ("patched", "unpatched"):
+    if mode not in ("patched", "unpatched", "env"):
         print(f"unknown mode {mode!r}", file=sys.stderr)
         return 2
     fakegrad_patch: Any = None
@@ -35,7 +40,19 @@ def _main(argv: list[str]) -> int:
         import fakegrad_patch  # first, as a user switching it on for the whole process would
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import programs  # imports torch
+    other = os.environ.get("COEXIST_PROGRAMS")
+    if other:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("coexist_programs", other)
+        assert spec is not None and spec.loader is not None
+        programs: Any = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = programs  # dataclasses look their module up
+        spec.loader.exec_module(programs)  # imports torch
+    else:
+        import programs  # imports torch
+    if mode == "env":
+        fakegrad_patch = sys.modules.get("fakegrad_patch")  # imported by the start-up hook
 
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
