@@ -132,6 +132,16 @@ def _scaler_made_inside(fake: bool) -> list[torch.Tensor]:
     return _scaler(fake, scale_outside=False)
 
 
+def _embedding_max_norm(fake: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        emb.weight.mul_(3)
+    with fake_mode() if fake else contextlib.nullcontext():
+        emb(torch.tensor([1, 2, 3, 2])).pow(2).sum().backward()
+    return [emb.weight.detach(), emb.weight.grad]
+
+
 def _out_argument(fake: bool) -> list[torch.Tensor]:
     torch.manual_seed(0)
     w, target = nn.Parameter(torch.randn(4)), torch.zeros(4)
@@ -158,6 +168,7 @@ IDIOMS: dict[str, tuple[Callable[[bool], list[torch.Tensor]], str]] = {
     "batchnorm": (_batchnorm, "tensor"),
     "scaler_overflow": (_scaler_overflow, "tensor"),
     "out_argument": (_out_argument, "tensor"),
+    "embedding_max_norm": (_embedding_max_norm, "parameter"),
     "view_of_a_grad": (_view_of_a_grad, "tensor"),
 }
 
@@ -230,10 +241,9 @@ def test_write_back_makes_optimizer_state_born_inside_the_mode_real() -> None:
     copy.deepcopy(opt.state_dict())  # real state: serializable as in eager
 
 
-def test_max_norm_through_detach_is_reported_even_with_write_back() -> None:
-    """``nn.Embedding(max_norm=...)`` renormalises ``weight.detach()`` in place: the one idiom
-    write-back leaves on the copy (an op on a view of a parameter); it says so."""
-    fakegrad_patch.configure(buffers="write_back")
+def test_max_norm_through_detach_is_reported_then_written_back() -> None:
+    """``nn.Embedding(max_norm=...)`` renormalises ``weight.detach()`` in place (a write through a
+    view of the parameter's copy): reported by default, named; written back with write-back."""
     torch.manual_seed(0)
     emb = nn.Embedding(10, 4, max_norm=1.0)
     with torch.no_grad():

@@ -58,6 +58,7 @@ class _Frame:
     __slots__ = (
         "aliased",
         "arguments",
+        "copy_back",
         "depth",
         "direct",
         "keep",
@@ -99,6 +100,10 @@ class _Frame:
         self.direct: dict[int, Any] = {}
         #: id -> (real tensor, the op that wrote only its fake copy): reported when the op returns
         self.lost: dict[int, tuple[Any, str]] = {}
+        #: write-back: storage data pointer of a private copy the op itself wrote through a view
+        #: (``weight.detach()``) -> (the real root, the copy's storage); copied to the real root
+        #: when the op returns, unless a nested op wrote that storage too (then it is reported)
+        self.copy_back: dict[int, tuple[Any, Any]] = {}
         #: the converted fakes of this op's real arguments that hold private copies, alive until
         #: the op returns (its view outputs then keep the stand-in records)
         self.keep: list[Any] = []
@@ -253,6 +258,8 @@ class WriteBack:
                 stack.pop()
                 if frame.written or frame.swaps or frame.param_swaps:
                     self._guarded(self._finish, frame)
+                if ok and frame.copy_back:
+                    self._guarded(self._copy_back, frame)
                 if ok and frame.lost:
                     self._guarded(self._report_lost, frame, func)
         frame.depth += 1
@@ -344,7 +351,17 @@ class WriteBack:
         the update is lost (reported when the outer op returns)."""
         entry = self._stand_ins.get(ptr)
         real_root = entry.real(ptr) if entry is not None else None
-        if real_root is not None and id(real_root) not in frame.lost:
+        if real_root is None:
+            return
+        if self.enabled and not via and frame.depth == 0:
+            # the outer op writes a view of the copy (``nn.Embedding(max_norm=...)``'s
+            # ``weight.detach()``): its real run updates the copy once; copied back on return
+            if ptr not in frame.copy_back and id(real_root) not in frame.lost:
+                frame.copy_back[ptr] = (real_root, entry)
+            return
+        if ptr in frame.copy_back:
+            del frame.copy_back[ptr]  # a nested op writes it too: not provably once
+        if id(real_root) not in frame.lost:
             frame.lost[id(real_root)] = (real_root, via)
 
     def _stand_in(self, t: Any, fake: Any, real: Any) -> None:
@@ -437,6 +454,37 @@ class WriteBack:
                     trace.WARNING,
                     **_leaves.leaf_fields(described),
                     reason="the op had no real values (an argument without propagated values)",
+                )
+
+    def _copy_back(self, frame: _Frame) -> None:
+        """Write-back: the outer op updated a real tensor's private copy through a view of it,
+        once: the copy's storage becomes the real tensor's values (through a ``detach()`` of
+        it, so its version moves as eager's does). Where the layouts differ it is reported."""
+        for ptr, (root, entry) in frame.copy_back.items():
+            holder = entry.holder(ptr)
+            copy = getattr(holder, "real_tensor", None) if holder is not None else None
+            if copy is None:
+                frame.lost[id(root)] = (root, "")
+                continue
+            storage = copy.untyped_storage()
+            target = root.detach()
+            if (
+                storage.nbytes() != target.untyped_storage().nbytes()
+                or root.layout != torch.strided
+            ):
+                frame.lost[id(root)] = (root, "")
+                continue
+            with self._r.no_dispatch(), torch.no_grad():
+                values = torch.empty(0, dtype=root.dtype, device=root.device)
+                values.set_(storage, root.storage_offset(), root.shape, root.stride())
+                target.copy_(values)
+            if trace.enabled(trace.INFO):
+                trace.emit(
+                    "buffer_written_back",
+                    trace.INFO,
+                    **_leaves.leaf_fields(root),
+                    bytes=root.numel() * root.element_size(),
+                    via="view",
                 )
 
     # -- reports: updates that did not reach the real tensor ------------------------------------
@@ -682,8 +730,9 @@ _FIX = {
     ),
     "write_back": (
         "make this update outside the `with FakeTensorMode(...)` block (write-back covers "
-        "tensors that do not require grad, and parameters updated under torch.no_grad() by an "
-        "op that takes the parameter itself, not a view or a .detach() of it)"
+        "tensors that do not require grad, parameters updated under torch.no_grad() by an op "
+        "that takes the parameter itself, and writes through a view made by the op itself; "
+        "not a GradScaler scale created inside the mode, nor a write a decomposition repeats)"
     ),
 }
 
@@ -758,6 +807,14 @@ class _StandIn:
                 del table[ptr]
 
         self.holders[key] = weakref.ref(fake, forget)
+
+    def holder(self, ptr: int) -> Any:
+        """A live fake whose values are over ``ptr`` (None when none is left)."""
+        for ref in list(self.holders.values()):
+            holder = ref()
+            if holder is not None and _storage(getattr(holder, "real_tensor", None)) == ptr:
+                return holder
+        return None
 
     def real(self, ptr: int) -> Any:
         """The real tensor, while a holder still has its values over ``ptr``; else None."""

@@ -316,8 +316,7 @@ KNOWN_LIMITS = (
     "running_mean/running_var, spectral_norm's _u/_v, .grads zeroed or clipped, optimizer "
     "steps; each such update is reported (update_lost event, one warning); "
     "buffers='write_back' (configure, FAKEGRAD_BUFFERS) makes them reach the real tensors, "
-    "except a parameter written through a view or .detach() of it (Embedding max_norm) and a "
-    "GradScaler scale created inside the mode; see docs/configuration.md",
+    "except a GradScaler scale created inside the mode; see docs/configuration.md",
     "CPU autocast with BatchNorm/LayerNorm/GroupNorm raises upstream's MetadataMismatchError "
     "under real-value propagation (fake kernel statistics in the input dtype, CPU kernel in "
     "float32); traced as propagation_mismatch; workaround: the norm in float32; see "
