@@ -97,12 +97,18 @@ def patch_state() -> Iterator[None]:
     _config.restore(fakegrad_patch.Settings())  # the defaults, nothing explicit
     fakegrad_patch._settings_changed()
     level = trace.set_level(trace.WARNING)
+    propagating = functorch_config.fake_tensor_propagate_real_tensors
     try:
         yield
     finally:
         _config.restore(previous)
         fakegrad_patch._settings_changed()
         trace.set_level(level)
+        # Tests that patch the config inside several threads at once (each thread its own
+        # ``config.patch``) leak the value where the build's config is process-wide (2.4: the
+        # threads' restores interleave); the next test must start as this one did.
+        if functorch_config.fake_tensor_propagate_real_tensors != propagating:
+            functorch_config.fake_tensor_propagate_real_tensors = propagating
 
 
 @pytest.fixture
