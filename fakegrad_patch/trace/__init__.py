@@ -617,16 +617,20 @@ def _stdlib_renderer() -> Callable[[Any], bytes]:
         return render
 
     def render_chunks(event_dict: Any) -> bytes:
-        parts = chunks(event_dict, 0)  # a fresh list of str: the newline joins it
+        parts = chunks(event_dict, 0)  # a fresh list of str (3.10-3.12): the newline joins it
         parts.append("\n")
         try:
             return "".join(parts).encode("utf-8")
         except UnicodeEncodeError:
             return (ascii_only(event_dict) + "\n").encode("ascii")
 
-    if render_chunks({"a": [1, "\u00e9"]}) != render({"a": [1, "\u00e9"]}):
-        return render
-    return render_chunks
+    try:
+        # Python 3.13's C encoder returns a tuple: no append there (the plain renderer then)
+        if render_chunks({"a": [1, "\u00e9"]}) == render({"a": [1, "\u00e9"]}):
+            return render_chunks
+    except Exception:
+        pass
+    return render
 
 
 def _make_renderer() -> tuple[str, Callable[[Any], bytes]]:
