@@ -626,21 +626,26 @@ def _make_op_ran_for_real(mode_cls: type) -> Callable[[], bool | None]:
     def op_ran_for_real() -> bool | None:
         if allow is None:
             return None
-        frame: Any = sys._getframe(1)
-        for _ in range(12):
-            if frame is None:
-                return None
-            if frame.f_code.co_name == "_dispatch_impl" and isinstance(
-                frame.f_locals.get("self"), mode_cls
-            ):
-                local = frame.f_locals
-                if "func" not in local or "flat_arg_fake_tensors" not in local:
-                    return None
-                return not local["flat_arg_fake_tensors"] and bool(allow(local["func"]))
-            frame = frame.f_back
-        return None
+        local = _dispatch_impl_locals(sys._getframe(1), mode_cls)
+        if local is None or "func" not in local or "flat_arg_fake_tensors" not in local:
+            return None
+        return not local["flat_arg_fake_tensors"] and bool(allow(local["func"]))
 
     return op_ran_for_real
+
+
+def _dispatch_impl_locals(frame: Any, mode_cls: type) -> dict[str, Any] | None:
+    """The locals of the nearest ``FakeTensorMode._dispatch_impl`` frame at or above ``frame``
+    (12 frames at most: a conversion is a few calls below it), or None."""
+    for _ in range(12):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_dispatch_impl" and isinstance(
+            frame.f_locals.get("self"), mode_cls
+        ):
+            return frame.f_locals
+        frame = frame.f_back
+    return None
 
 
 def _make_dispatching_op(mode_cls: type) -> Callable[[], tuple[Any, Any, Any] | None]:
@@ -653,19 +658,10 @@ def _make_dispatching_op(mode_cls: type) -> Callable[[], tuple[Any, Any, Any] | 
     import sys
 
     def dispatching_op() -> tuple[Any, Any, Any] | None:
-        frame: Any = sys._getframe(1)
-        for _ in range(12):
-            if frame is None:
-                return None
-            if frame.f_code.co_name == "_dispatch_impl" and isinstance(
-                frame.f_locals.get("self"), mode_cls
-            ):
-                local = frame.f_locals
-                if "func" not in local or "args" not in local:
-                    return None
-                return local["func"], local["args"], local.get("kwargs")
-            frame = frame.f_back
-        return None
+        local = _dispatch_impl_locals(sys._getframe(1), mode_cls)
+        if local is None or "func" not in local or "args" not in local:
+            return None
+        return local["func"], local["args"], local.get("kwargs")
 
     return dispatching_op
 
