@@ -186,9 +186,15 @@ def test_leaves_and_modes_are_not_kept_alive() -> None:
         model(torch.randn(3, 8)).sum().backward()
     model_ref, mode_ref = weakref.ref(model), weakref.ref(mode)
     param_ref = weakref.ref(model[0].weight)
+    applied = fakegrad_patch._core.install.current()
+    assert applied is not None
+    cached = applied.hooks._prehooks  # each armed leaf's pre-hook, reused by later backwards
+    assert all(p in cached for p in model.parameters())
+    cached_before, params = len(cached), len(list(model.parameters()))
     del model, mode
     gc.collect()
     assert model_ref() is None and param_ref() is None and mode_ref() is None
+    assert len(cached) <= cached_before - params  # the entries went with their leaves
 
 
 def test_no_hooks_remain_once_the_fake_graph_is_gone() -> None:

@@ -37,8 +37,7 @@ from . import leaves as _leaves
 from . import profiling as _profiling
 from .state import warn_once
 from .targets import Resolved
-
-_NO_CONTEXT = contextlib.nullcontext()
+from .weak import WeakIdTable
 
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
@@ -92,6 +91,12 @@ class Outcome:
     source: str  # "propagated" | "zeros" | "meta" | "none"
     zero_copy: bool = False
     bytes_copied: int = 0
+
+
+#: the set path's outcomes, made once (a frozen dataclass costs ~1 us to build per gradient)
+_ZERO_COPY = {
+    source: Outcome("set", source, zero_copy=True) for source in ("propagated", "zeros", "meta")
+}
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,7 @@ class Materializer:
         self._untrusted = untrusted
         #: None until calibrated (and forever if calibration failed): the set path then copies.
         self.baseline: AdoptBaseline | None = None
+        self._use_count = resolved.tensor_use_count
         self._calibration = threading.local()
 
     # -- calibration (see AdoptBaseline) -------------------------------------------------------
@@ -185,20 +191,22 @@ class Materializer:
         upstream does (policy ``keep``).
         """
         start = time.perf_counter()
-        real = None if leaf.is_meta else self._r.real_of(grad)
-        if real is None and not leaf.is_meta and left_to_upstream(grad):
-            return None  # no real values exist in this mode: upstream's behaviour (issue 17)
         if leaf.is_meta:
             # Shape-only analysis: a meta leaf has no data, so its gradient needs none either.
             # Upstream gives it a (fake) meta gradient; eager on meta gives a real meta one.
             with self._r.no_dispatch(), torch.no_grad():
                 value = _empty_grad_for(leaf, grad)
             outcome = self._write(leaf, value, None, grad.dtype, "meta", fresh=True)
-        elif real is not None and (self._untrusted is None or not self._untrusted(grad)):
-            outcome = self._write(leaf, real, grad, grad.dtype, "propagated")
         else:
-            why = "none" if real is None else "untrusted"
-            outcome = self._missing(leaf, grad, start, why)
+            real = self._r.real_of(grad)
+            if real is None:
+                if left_to_upstream(grad):
+                    return None  # no real values exist in this mode: upstream's (issue 17)
+                outcome = self._missing(leaf, grad, start, "none")
+            elif self._untrusted is not None and self._untrusted(grad):
+                outcome = self._missing(leaf, grad, start, "untrusted")
+            else:
+                outcome = self._write(leaf, real, grad, grad.dtype, "propagated")
         self._emit(leaf, outcome, start)
         if outcome.action == "drop":
             # after the event: a user's ``-W error`` turns the warning into an exception, which
@@ -252,11 +260,12 @@ class Materializer:
     ) -> Outcome:
         # Grad mode is on inside backward only with create_graph=True; then our own ops must not
         # be recorded (AccumulateGrad records ``prior + new`` only, which we do below).
-        create_graph = torch.is_grad_enabled()
-        with self._r.no_dispatch(), torch.no_grad() if create_graph else _NO_CONTEXT:
-            outcome = self._write_unguarded(
-                leaf, value, grad, grad_dtype, source, fresh, create_graph
-            )
+        if torch.is_grad_enabled():
+            with self._r.no_dispatch(), torch.no_grad():
+                outcome = self._write_unguarded(leaf, value, grad, grad_dtype, source, fresh, True)
+        else:
+            with self._r.no_dispatch():
+                outcome = self._write_unguarded(leaf, value, grad, grad_dtype, source, fresh, False)
         if self._on_written is not None:
             self._on_written(leaf)
         return outcome
@@ -289,7 +298,7 @@ class Materializer:
                 return Outcome("set", source, bytes_copied=_nbytes(value))
             if fresh or (self._adopt and self._can_adopt(value, leaf, grad_dtype, grad)):
                 leaf.grad = value
-                return Outcome("set", source, zero_copy=True)
+                return _ZERO_COPY.get(source) or Outcome("set", source, zero_copy=True)
             leaf.grad = self._fresh_copy(value, leaf, grad_dtype)
             return Outcome("set", source, bytes_copied=_nbytes(value))
         copied = 0
@@ -324,18 +333,19 @@ class Materializer:
         baseline = self.baseline
         if baseline is None and seen is None:
             return False
-        r = self._r
-        counts = (
-            r.tensor_use_count(grad),
-            sys.getrefcount(grad),
-            r.tensor_use_count(value),
-            sys.getrefcount(value),
-        )
+        use_count = self._use_count
         if seen is not None:
-            seen.append(counts)
+            seen.append(
+                (use_count(grad), sys.getrefcount(grad), use_count(value), sys.getrefcount(value))
+            )
             return False
         assert baseline is not None
-        return baseline.admits(counts)
+        return (
+            use_count(grad) <= baseline.fake_uses
+            and sys.getrefcount(grad) <= baseline.fake_refs
+            and use_count(value) <= baseline.real_uses
+            and sys.getrefcount(value) <= baseline.real_refs
+        )
 
     @staticmethod
     def _fresh_copy(value: torch.Tensor, leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -351,6 +361,8 @@ class Materializer:
         level = trace.WARNING if outcome.action in ("drop", "error") else trace.INFO
         if not trace.enabled(level):
             return
+        # the interception's own time: describing it (below) is the trace's cost (P13), not its
+        duration_us = round((time.perf_counter() - start) * 1e6, 1)
         if getattr(self._calibration, "seen", None) is not None:
             return  # the calibration probe's own leaf
         fields = _leaves.leaf_fields(leaf)
@@ -359,7 +371,7 @@ class Materializer:
         fields["action"] = outcome.action
         fields["zero_copy"] = outcome.zero_copy
         fields["bytes"] = outcome.bytes_copied
-        fields["duration_us"] = round((time.perf_counter() - start) * 1e6, 1)
+        fields["duration_us"] = duration_us
         trace.emit_fields("fake_grad_" + outcome.action, level, fields)
 
     def backward_id(self) -> int | None:
@@ -379,6 +391,18 @@ class Hooks:
         self._applied = applied
         #: set at first need (probe P1): run post-accumulate hooks ourselves
         self.post_hooks_skipped = False
+        #: leaf -> its pre-hook, made at the leaf's first arming and reused by every later one
+        #: (issue 27: no closure, weak reference or lock lookup per leaf per backward)
+        self._prehooks: WeakIdTable[Any] = WeakIdTable()
+
+    def prehook_for(self, leaf: torch.Tensor) -> Any:
+        """``leaf``'s pre-hook: the same function object for every backward call that arms it
+        (held weakly by the leaf's entry, so it goes with the leaf)."""
+        hook = self._prehooks.get(leaf)
+        if hook is None:
+            hook = self.make_prehook(leaf)
+            self._prehooks.set(leaf, hook)
+        return hook
 
     def make_prehook(self, leaf: torch.Tensor) -> Any:
         """The pre-hook for ``leaf``'s AccumulateGrad node. It holds the leaf weakly and writes

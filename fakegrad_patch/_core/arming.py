@@ -14,6 +14,10 @@ So arming happens there, once per backward call, outside any dispatch:
 2. Otherwise the graph is walked once from the roots (``Node.next_functions``) to its
    AccumulateGrad nodes; every node whose ``variable`` is a real tensor gets the pre-hook of
    _accumulate (one per node, reference-counted across concurrent and reentrant backward calls).
+   The hook is the leaf's own, made at its first arming and reused by every later backward that
+   arms it (held weakly, with the leaf): arming allocates no closure, weak reference or lock per
+   leaf per call. What is left per leaf is the walk's node wrappers and torch's own
+   ``register_prehook`` (a handle and a hook dict per new node, ~2-4 us: docs/performance.md).
 3. When the call returns (or raises), the hooks it added are removed: nothing of the patch stays
    on any node, so later real backward passes, DistributedDataParallel's kept-alive
    AccumulateGrad nodes and compiled-autograd captures never see it.

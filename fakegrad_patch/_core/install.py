@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -305,7 +306,10 @@ class _Applied:
             untrusted=self._untrusted,
         )
         self.hooks = _accumulate.Hooks(self.resolved, self.materializer, self)
-        self.arming = _arming.Arming(self.resolved, self.hooks.make_prehook, self)
+        self._values_mod = _values
+        #: (weak reference to the last mode found trusted, (generation, taints) then)
+        self._trusted: tuple[Any, tuple[int, int]] | None = None
+        self.arming = _arming.Arming(self.resolved, self.hooks.prehook_for, self)
         self._bypass = _probes._bypass
         self._bypassed = _probes.bypassed
         self._active = True
@@ -364,9 +368,20 @@ class _Applied:
         already checked its mode (a dict read here); after ``uninstall()`` (hooks that outlive
         it), a Parameter its mode converted while uninstalled taints it."""
         mode = getattr(grad, "fake_mode", None)
-        if self._active:
-            return self.values.check_mode(mode)
-        return self.values.check_mode(mode, definite_only=True)
+        if not self._active:
+            return self.values.check_mode(mode, definite_only=True)
+        # Per gradient, the mode is nearly always the one the last gradient had: its answer
+        # holds until the next generation (uninstall) or a new taint (issue 27: the hook's cost).
+        values = self._values_mod
+        key = (values._Generation.value, len(values._tainted))
+        trusted = self._trusted
+        if trusted is not None and trusted[1] == key and trusted[0]() is mode:
+            return False
+        if self.values.check_mode(mode):
+            return True
+        if mode is not None:
+            self._trusted = (weakref.ref(mode), (values._Generation.value, len(values._tainted)))
+        return False
 
     # -- first need: probes D1 and P1, zero-copy calibration ------------------------------------
 

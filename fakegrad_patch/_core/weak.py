@@ -9,25 +9,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from functools import partial as _partial
 from typing import Any, Generic, TypeVar
 
 V = TypeVar("V")
-
-
-class _KeyedRef(weakref.ref):
-    """A weak reference that knows its table key (the death callback needs it)."""
-
-    __slots__ = ("key",)
-
-    key: int
-
-    def __new__(cls, obj: Any, callback: Any, key: int) -> _KeyedRef:
-        self = super().__new__(cls, obj, callback)
-        self.key = key
-        return self
-
-    def __init__(self, obj: Any, callback: Any, key: int) -> None:
-        super().__init__(obj, callback)  # type: ignore[call-arg]
+_ref = weakref.ref
 
 
 class WeakIdTable(Generic[V]):
@@ -40,13 +26,13 @@ class WeakIdTable(Generic[V]):
     __slots__ = ("__weakref__", "_data", "_remove")
 
     def __init__(self) -> None:
-        data: dict[int, tuple[_KeyedRef, V]] = {}
+        data: dict[int, tuple[weakref.ref[Any], V]] = {}
         self._data = data
 
-        def remove(ref: _KeyedRef, _data: dict[int, tuple[_KeyedRef, Any]] = data) -> None:
-            entry = _data.get(ref.key)
+        def remove(key: int, ref: weakref.ref[Any], _data: dict[int, Any] = data) -> None:
+            entry = _data.get(key)
             if entry is not None and entry[0] is ref:  # not a newer object reusing the id
-                del _data[ref.key]
+                del _data[key]
 
         self._remove = remove
 
@@ -66,7 +52,8 @@ class WeakIdTable(Generic[V]):
         if entry is not None and entry[0]() is obj:
             self._data[key] = (entry[0], value)  # same object: keep its reference
         else:
-            self._data[key] = (_KeyedRef(obj, self._remove, key), value)
+            # the death callback knows its key through a C partial: no Python frame per entry
+            self._data[key] = (_ref(obj, _partial(self._remove, key)), value)
 
     def pop(self, obj: Any, default: Any = None) -> Any:
         key = id(obj)
