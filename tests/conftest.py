@@ -22,10 +22,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 #: Test files whose subject does not change with the torch build: the start-up hook and its
 #: activation paths, settings parsing, the pytest plugin, doctor's checks, the trace reader and
 #: sink, the verify CLI's plumbing, packaging, the README and the package layout. They depend on
-#: the interpreter and on wrapt/structlog instead. ``FAKEGRAD_TEST_SCOPE=build`` (tox envs that
-#: only vary the torch build on an interpreter another env covers: torch214, the quick tier)
-#: deselects them; oldest (3.10), torch213 (3.11), lowest (3.12, lowest wrapt/structlog) and
-#: newest (3.13) run every file. Unset, or ``all``: every file runs.
+#: the interpreter and on wrapt/structlog instead. ``FAKEGRAD_TEST_SCOPE=build`` deselects them
+#: (torch213 and torch214 on 3.11, the quick tier); they run in oldest (3.10, the oldest
+#: Python), lowest (3.12, the lowest wrapt/structlog) and newest (3.13, the newest Python).
+#: Unset, or ``all``: every file runs.
 BUILD_INDEPENDENT = frozenset(
     {
         "test_activation.py",
@@ -58,38 +58,63 @@ BUILD_BOUND = frozenset(
         "test_benchmarks_smoke.py",
     }
 )
-SCOPES = ("all", "build", "deps")
+SCOPES = {"all": frozenset(), "build": BUILD_INDEPENDENT, "deps": BUILD_BOUND}
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _scope() -> str:
     scope = os.environ.get("FAKEGRAD_TEST_SCOPE", "").strip() or "all"
     if scope not in SCOPES:
-        raise pytest.UsageError(f"FAKEGRAD_TEST_SCOPE={scope!r}: expected one of {SCOPES}")
+        raise pytest.UsageError(f"FAKEGRAD_TEST_SCOPE={scope!r}: expected one of {tuple(SCOPES)}")
     return scope
 
 
+def elsewhere(value: str | None = None) -> frozenset[str]:
+    """``FAKEGRAD_TEST_ELSEWHERE``: more test files a tox env leaves to another env of the CI
+    command (tests/test_readme.py checks that every file still runs in one). A name that is not
+    a test file here is an error, never silently nothing."""
+    raw = os.environ.get("FAKEGRAD_TEST_ELSEWHERE", "") if value is None else value
+    names = frozenset(raw.replace(",", " ").split())
+    unknown = sorted(n for n in names if not os.path.isfile(os.path.join(HERE, n)))
+    if unknown:
+        raise pytest.UsageError(f"FAKEGRAD_TEST_ELSEWHERE: no such test file: {unknown}")
+    return names
+
+
+def left_out(scope: str, also: frozenset[str]) -> frozenset[str]:
+    """The test files an env with this scope and ``FAKEGRAD_TEST_ELSEWHERE`` deselects."""
+    return SCOPES[scope] | also
+
+
 def pytest_report_header(config: pytest.Config) -> str:
-    scope = _scope()
+    scope, also = _scope(), elsewhere()
+    lines = []
     if scope == "build":
-        return (
+        lines.append(
             "FAKEGRAD_TEST_SCOPE=build: the build-independent files are deselected here "
-            "(they run in the oldest, torch213, lowest and newest envs)"
+            "(they run in the oldest, lowest and newest envs)"
         )
-    if scope == "deps":
-        return (
+    elif scope == "deps":
+        lines.append(
             "FAKEGRAD_TEST_SCOPE=deps: the build-bound files are deselected here "
             f"({', '.join(sorted(BUILD_BOUND))}: they run in the envs of each torch build)"
         )
-    return "FAKEGRAD_TEST_SCOPE=all: every test file"
+    else:
+        lines.append("FAKEGRAD_TEST_SCOPE=all: every test file")
+    if also:
+        lines.append(
+            f"FAKEGRAD_TEST_ELSEWHERE: {', '.join(sorted(also))} deselected here "
+            "(another env of the CI command runs them)"
+        )
+    return "\n".join(lines)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    scope = _scope()
-    if scope != "all":
-        left_out = BUILD_INDEPENDENT if scope == "build" else BUILD_BOUND
+    dropped_files = left_out(_scope(), elsewhere())
+    if dropped_files:
         kept, dropped = [], []
         for item in items:
-            (dropped if item.path.name in left_out else kept).append(item)
+            (dropped if item.path.name in dropped_files else kept).append(item)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept

@@ -113,12 +113,16 @@ def test_graph_armed_before_uninstall_finishes_with_real_grads() -> None:
     w = torch.randn(3, 3, requires_grad=True)
     x = torch.randn(2, 3)
     expected = x.sum(0)[:, None].expand(3, 3)
+    gc.collect()
+    # hooks on nodes that earlier tests of this worker keep alive (a zoo model's graph, say)
+    before = fakegrad_patch.status()["armed_leaves"]
     with fake_mode():
         loss = (x @ w).sum()
-        assert fakegrad_patch.status()["armed_leaves"] == 0  # arming happens at backward
+        assert fakegrad_patch.status()["armed_leaves"] == before  # arming happens at backward
         fakegrad_patch.uninstall()
         try:
-            assert fakegrad_patch.status()["armed_leaves"] == 1  # uninstall armed w's node
+            # uninstall armed w's node (and, again, any live converter's earlier leaves)
+            assert fakegrad_patch.status()["armed_leaves"] >= before + 1
             loss.backward()
             finished = w.grad
             w.grad = None

@@ -110,3 +110,44 @@ def test_readme_example_runs_and_ends_with_eager_gradients(tmp_path: pathlib.Pat
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == "Tensor"
     assert out.stdout.splitlines()[-1] == "ok"
+
+
+def _set_env(ini: configparser.ConfigParser, section: str) -> dict[str, str]:
+    """An env's ``set_env``, with tox's ``{[section]set_env}`` references expanded."""
+    values: dict[str, str] = {}
+    raw = ini[section].get("set_env", "") if ini.has_section(section) else ""
+    for line in raw.strip().splitlines():
+        line = line.strip()
+        if line.startswith("{[") and line.endswith("]set_env}"):
+            values.update(_set_env(ini, line[2 : -len("]set_env}")]))
+        elif "=" in line:
+            key, value = line.split("=", 1)
+            values[key.strip()] = value.strip()
+    return values
+
+
+def test_every_test_file_runs_in_an_env_of_the_ci_command() -> None:
+    """Envs leave files to each other (FAKEGRAD_TEST_SCOPE, FAKEGRAD_TEST_ELSEWHERE: issue 26);
+    none may be left out everywhere, and the builds keep what is theirs: every torch build of
+    the CI command runs PT2 coexistence and can_fail, and lowest runs the build-independent
+    files on the lowest wrapt/structlog."""
+    import conftest
+
+    ini = _tox_ini()
+    (suite,) = [b.strip() for b in _blocks("") if " -e lint" in b]
+    envs = [e for e in suite.rsplit(" -e ", 1)[1].split(",") if e not in ("lint", "dist")]
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    runs: dict[str, set[str]] = {}
+    for env in envs:
+        values = {**_set_env(ini, "testenv"), **_set_env(ini, f"testenv:{env}")}
+        scope = values.get("FAKEGRAD_TEST_SCOPE", "all")
+        assert scope in conftest.SCOPES, (env, scope)
+        left = conftest.left_out(
+            scope, conftest.elsewhere(values.get("FAKEGRAD_TEST_ELSEWHERE", ""))
+        )
+        runs[env] = files - left
+    nowhere = files - set().union(*runs.values())
+    assert not nowhere, f"left out by every env of the CI command: {sorted(nowhere)}"
+    for env in ("oldest", "torch213", "torch214", "newest"):  # one env per torch build
+        assert {"test_pt2_coexistence.py", "test_can_fail.py"} <= runs[env], env
+    assert runs["lowest"] >= conftest.BUILD_INDEPENDENT
