@@ -131,7 +131,7 @@ def test_every_test_file_runs_in_an_env_of_the_ci_command() -> None:
     none may be left out everywhere, and the builds keep what is theirs: every torch build of
     the CI command runs PT2 coexistence and can_fail, and lowest runs the build-independent
     files on the lowest wrapt/structlog."""
-    import conftest
+    import _scopes
 
     ini = _tox_ini()
     (suite,) = [b.strip() for b in _blocks("") if " -e lint" in b]
@@ -141,13 +141,11 @@ def test_every_test_file_runs_in_an_env_of_the_ci_command() -> None:
     for env in envs:
         values = {**_set_env(ini, "testenv"), **_set_env(ini, f"testenv:{env}")}
         scope = values.get("FAKEGRAD_TEST_SCOPE", "all")
-        assert scope in conftest.SCOPES, (env, scope)
-        left = conftest.left_out(
-            scope, conftest.elsewhere(values.get("FAKEGRAD_TEST_ELSEWHERE", ""))
-        )
+        assert scope in _scopes.SCOPES, (env, scope)
+        left = _scopes.left_out(scope, _scopes.elsewhere(values.get("FAKEGRAD_TEST_ELSEWHERE", "")))
         runs[env] = files - left
     nowhere = files - set().union(*runs.values())
     assert not nowhere, f"left out by every env of the CI command: {sorted(nowhere)}"
     for env in ("oldest", "torch213", "torch214", "newest"):  # one env per torch build
         assert {"test_pt2_coexistence.py", "test_can_fail.py"} <= runs[env], env
-    assert runs["lowest"] >= conftest.BUILD_INDEPENDENT
+    assert runs["lowest"] >= _scopes.BUILD_INDEPENDENT
