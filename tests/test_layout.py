@@ -35,7 +35,10 @@ RANKS: list[tuple[str, list[str]]] = [
     ("tracing", ["trace", "trace._reader"]),
     ("parts", ["_core", "_tools", "_activation"]),
     ("registries and targets", ["_core.state", "_core.weak", "_core.targets"]),
-    ("per-leaf bookkeeping and probes", ["_core.leaves", "_core.probes", "_core.profiling"]),
+    (
+        "per-leaf bookkeeping, probes, sites",
+        ["_core.leaves", "_core.probes", "_core.profiling", "_core.sites"],
+    ),
     (
         "arming, values, accumulate",
         [

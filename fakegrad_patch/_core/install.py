@@ -289,6 +289,7 @@ class _Applied:
         from . import leaves as _leaves
         from . import mismatch as _mismatch
         from . import probes as _probes
+        from . import sites as _sites
         from . import targets as _targets
         from . import values as _values
         from . import writeback as _writeback
@@ -326,8 +327,13 @@ class _Applied:
         original = autograd.__dict__["backward"]
         self._backward_wrapper: Any = _arming.BackwardWrapper(original, self.arming.backward)
         _targets.register_script_builtin(self._backward_wrapper, original)
-        self.backward_site = _arming.BackwardSite(
-            autograd, "backward", self._backward_wrapper, original
+        self.backward_site = _sites.Site(
+            autograd,
+            "backward",
+            self._backward_wrapper,
+            original,
+            events=("backward_wrapper_installed", "backward_wrapper_removed"),
+            lost="fake gradients into real graphs keep upstream behaviour",
         )
         self._mode_init_wrapper: Any = None
         mode_cls = self.resolved.fake_mode_cls

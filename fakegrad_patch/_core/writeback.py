@@ -29,8 +29,9 @@ mode applies to it for real happens to the real tensor, as in eager mode. Exactl
   a FakeTensor, a meta tensor, a non-strided or subclass tensor.
 
 Every write-back is traced (``buffer_written_back``, with bytes). Turning write-back off (or
-``uninstall()``) gives every aliased fake a private copy again and unwraps ``dispatch``. Off,
-nothing here runs: ``dispatch`` is not wrapped.
+``uninstall()``) gives every aliased fake a private copy again. ``dispatch`` is wrapped only
+while a propagating user mode lives or write-back is on (a :class:`_sites.Site`): with no such
+mode, nothing here runs and ``dispatch`` is torch's own function.
 
 Registries: WeakIdTables (O(1), never keeping a tensor alive) and a per-thread frame stack.
 """
@@ -45,6 +46,7 @@ import torch
 
 from .. import trace
 from . import leaves as _leaves
+from . import sites as _sites
 from . import targets as _targets
 from .state import warn_once
 from .weak import WeakIdTable
@@ -114,10 +116,11 @@ class _Frame:
 class WriteBack:
     """One installation's in-place machinery: reports (always) and write-back (opt-in).
 
-    ``FakeTensorMode.dispatch`` is wrapped at first need (:meth:`observe`): when a propagating
-    user mode is built (install's ``FakeTensorMode.__init__`` wrapper), at the first op input such
-    a mode converts, or when write-back is turned on; until then nothing here runs. Wrapped, it
-    returns at once for modes without real values or with a ShapeEnv."""
+    ``FakeTensorMode.dispatch`` is watched from the first need on (:meth:`observe`: when a
+    propagating user mode is built, install's ``FakeTensorMode.__init__`` wrapper, at the first
+    op input such a mode converts, or when write-back is turned on), and wrapped only while such
+    a mode lives or write-back is on; otherwise nothing here runs. Wrapped, it returns at once
+    for modes without real values or with a ShapeEnv (a tracer's, alive beside a user's)."""
 
     def __init__(self, resolved: Any, applied: Any) -> None:
         self._r = resolved
@@ -143,13 +146,18 @@ class WriteBack:
         #: ``FakeTensorMode.dispatch`` wrapped (reports; write-back when enabled)
         self.observing = False
         self._wrapper: Any = None
+        #: the site that puts the wrapper in place while it is needed (made by :meth:`observe`)
+        self._site: _sites.Site | None = None
         self._step_hook: Any = None
 
     # -- on / off --------------------------------------------------------------------------------
 
     def observe(self) -> bool:
-        """Wrap ``FakeTensorMode.dispatch`` (idempotent, thread-safe); False where it is
-        missing (then in-place updates are reported only where the converter sees them)."""
+        """Watch the ops of propagating user modes (idempotent, thread-safe): from now on
+        ``FakeTensorMode.dispatch`` is wrapped while such a mode lives or write-back is on, and
+        is torch's own function otherwise (issue 28: a plain mode, a tracer's, pays nothing per
+        op). False where ``dispatch`` is missing (then in-place updates are reported only where
+        the converter sees them)."""
         if self.observing:
             return True
         import wrapt
@@ -159,13 +167,23 @@ class WriteBack:
                 return True
             cls = self._r.fake_mode_cls
             name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
+            original = cls.__dict__.get(name)
             if _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH) is None or not callable(
-                cls.__dict__.get(name)
+                original
             ):
                 return False
-            wrapt.wrap_function_wrapper(cls, name, self.dispatch)
-            self._wrapper = cls.__dict__[name]
+            self._wrapper = wrapt.FunctionWrapper(original, self.dispatch)
+            self._site = _sites.Site(
+                cls,
+                name,
+                self._wrapper,
+                original,
+                registry=_sites.user_modes,
+                lost="in-place updates of real tensors inside the mode are not watched",
+            )
+            self._site.set_policy(self.enabled)
             self.observing = True
+        self._site.start()
         return True
 
     def enable(self) -> bool:
@@ -177,14 +195,16 @@ class WriteBack:
                 return True
             self.enabled = True
             self._step_hook = _register_step_hook(self._after_optimizer_step)
+        if self._site is not None:
+            self._site.set_policy(True)  # wrapped while write-back is on, modes or not
         if trace.enabled(trace.INFO):
             trace.emit("write_back_enabled", trace.INFO)
         return True
 
     def disable(self) -> int:
         """Write-back off: every aliased fake gets a private copy again (upstream semantics from
-        now on; ``dispatch`` stays wrapped for the reports). Returns how many fakes were
-        un-aliased."""
+        now on; ``dispatch`` stays wrapped while a propagating user mode lives, for the
+        reports). Returns how many fakes were un-aliased."""
         with self._lock:
             if not self.enabled:
                 return 0
@@ -193,6 +213,8 @@ class WriteBack:
             aliased = list(self._aliases.items())
             self._aliases.clear()
             self._storages.clear()
+        if self._site is not None:
+            self._site.set_policy(False)
         if hook is not None:
             hook.remove()
         count = sum(self._unalias(fake, real) for fake, real in aliased)
@@ -201,16 +223,16 @@ class WriteBack:
         return count
 
     def remove(self) -> None:
-        """``uninstall()``: write-back off and ``dispatch`` unwrapped."""
+        """``uninstall()``: write-back off and ``dispatch`` torch's own again."""
         self.disable()
         with self._lock:
             if not self.observing:
                 return
             self.observing = False
-            wrapper, self._wrapper = self._wrapper, None
-            name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
-            # the patch's one unwrap rule: put upstream's back, unless somebody wrapped over us
-            self._applied._unwrap(self._r.fake_mode_cls, name, wrapper, None, True)
+            site, self._site = self._site, None
+            self._wrapper = None
+        if site is not None:
+            site.close()  # torch's back, unless somebody wrapped over ours (warned)
 
     # -- the dispatch wrapper -------------------------------------------------------------------
 

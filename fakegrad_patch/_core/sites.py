@@ -1,0 +1,178 @@
+"""Functions of torch that the patch replaces only while they are needed (issue 28).
+
+A :class:`Site` puts a wrapper in place of ``owner.<attr>`` while a propagating mode it follows
+lives (or a policy asks for it) and torch's own object back, the same object, when none does:
+a process whose propagating modes are gone runs torch's own functions at torch's own cost.
+Two sites exist: ``torch.autograd.backward`` (_arming: needed while any propagating mode
+lives) and ``FakeTensorMode.dispatch`` (_writeback: needed while a propagating *user* mode,
+one without a ShapeEnv, lives, or while ``buffers="write_back"`` is on). A plain fake mode, a
+tracer's, then pays nothing per op.
+
+Modes are registered when they are built (the ``FakeTensorMode.__init__`` wrapper) or when they
+convert a real tensor, and held weakly: a mode's death (a weak reference callback, possibly run
+by the garbage collector in the middle of other code, in any thread) tells every started site.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any
+
+from .. import trace
+
+#: Propagating modes seen alive by any installation: id(mode) -> weak reference (its callback
+#: removes the entry). Process-wide, so a mode built while one installation was applied keeps a
+#: later installation's interception in place too.
+modes: dict[int, weakref.ref[Any]] = {}
+#: The subset of :data:`modes` without a ShapeEnv: users' modes, not PyTorch's tracers'.
+user_modes: dict[int, weakref.ref[Any]] = {}
+
+#: the started sites (of the installation in force), told when a mode is seen or dies
+_started: list[Site] = []
+
+
+def need_mode(mode: Any) -> None:
+    """``mode`` propagates real values: the sites that follow it stay in place while it lives."""
+    key = id(mode)
+    ref = modes.get(key)
+    if ref is not None and ref() is mode:
+        return
+    modes[key] = weakref.ref(mode, functools.partial(_mode_died, modes, key))
+    if getattr(mode, "shape_env", None) is None:
+        user_modes[key] = weakref.ref(mode, functools.partial(_mode_died, user_modes, key))
+    for site in tuple(_started):
+        site.changed()
+
+
+def _mode_died(registry: dict[int, Any], key: int, ref: Any) -> None:
+    # A weak reference callback: may run inside the garbage collector anywhere, the trace
+    # sink's own write included, so this settles without emitting an event.
+    if registry.get(key) is ref:
+        del registry[key]
+    for site in tuple(_started):
+        site.changed(quiet=True)
+
+
+class Site:
+    """Puts ``wrapper`` in place of ``owner.<attr>`` only while it is needed, and torch's own
+    object (``original``) back when it no longer is.
+
+    Needed while a mode of ``registry`` lives or a policy is set (:meth:`set_policy`).
+    Thread-safe: any thread may change the need, a mode's death included: the change is
+    recorded at once and applied by whoever holds the lock, never waiting for it. ``events``:
+    the (installed, removed) trace event names, or None for none; ``lost``: what stops working
+    when somebody else replaced the attribute (the warning says it)."""
+
+    def __init__(
+        self,
+        owner: Any,
+        attr: str,
+        wrapper: Any,
+        original: Any,
+        *,
+        registry: dict[int, Any] = modes,
+        events: tuple[str, str] | None = None,
+        lost: str = "",
+    ) -> None:
+        self._owner = owner
+        self._attr = attr
+        self.wrapper = wrapper
+        self.original = original
+        self._registry = registry
+        self._events = events
+        self._lost = lost
+        self._policy = False
+        self._closed = False
+        self._in_place = False
+        self._dirty = False
+        self._lock = threading.Lock()
+        #: [times put in place, times removed], for tests
+        self.counts = [0, 0]
+        self._started = False
+
+    def start(self) -> None:
+        """Follow the need from now on (the installation is complete): modes seen by an
+        earlier installation may still live."""
+        self._started = True
+        if self not in _started:
+            _started.append(self)
+        self.changed()
+
+    def in_place(self) -> bool:
+        return self._in_place
+
+    need_mode = staticmethod(need_mode)
+
+    def set_policy(self, explicit: bool) -> None:
+        if explicit != self._policy:
+            self._policy = explicit
+            self.changed()
+
+    def close(self) -> bool:
+        """For ``uninstall()``: torch's object back for good. Returns False when somebody
+        wrapped over ours (theirs is left in place; ours passes calls through)."""
+        self._closed = True
+        self.changed()
+        if self in _started:
+            _started.remove(self)
+        return not self._in_place
+
+    def changed(self, *, quiet: bool = False) -> None:
+        # Lock-free hand-over: record the change, then apply it unless another thread (or this
+        # one, below us on the stack) holds the lock; that one re-checks after releasing it.
+        self._dirty = True
+        if not self._started:
+            return
+        while self._dirty:
+            if not self._lock.acquire(blocking=False):
+                return
+            try:
+                self._dirty = False
+                self._settle(quiet)
+            finally:
+                self._lock.release()
+
+    def _settle(self, quiet: bool) -> None:
+        want = not self._closed and (self._policy or bool(self._registry))
+        if want == self._in_place:
+            return
+        owner, attr = self._owner, self._attr
+        current = owner.__dict__.get(attr)
+        if want:
+            if current is not self.original and current is not self.wrapper:
+                _rewrapped(owner, attr, self._lost, before=True)
+                return
+            setattr(owner, attr, self.wrapper)
+            self._in_place = True
+            self.counts[0] += 1
+            event = self._events[0] if self._events else None
+        else:
+            if current is not self.wrapper:
+                if self._closed:
+                    _rewrapped(owner, attr, self._lost, before=False)
+                return  # somebody wrapped over ours: theirs stays; ours passes calls through
+            setattr(owner, attr, self.original)
+            self._in_place = False
+            self.counts[1] += 1
+            event = self._events[1] if self._events else None
+        if event is not None and not quiet and trace.enabled(trace.DEBUG):
+            trace.emit(event, trace.DEBUG, modes=len(self._registry), explicit_policy=self._policy)
+
+
+def _rewrapped(owner: Any, attr: str, lost: str, *, before: bool) -> None:
+    from .state import warn_once
+
+    name = f"{getattr(owner, '__name__', owner)}.{attr}"
+    if before:
+        message = (
+            f"fakegrad_patch: {name} was replaced by someone else after fakegrad_patch was "
+            f"applied; not putting the fakegrad_patch layer over it ({lost})."
+        )
+    else:
+        message = (
+            f"fakegrad_patch: {name} was re-wrapped by someone else after fakegrad_patch; leaving "
+            "it in place (the fakegrad_patch layer is now inactive)."
+        )
+    warn_once(f"rewrapped:{attr}", message, stacklevel=4)
