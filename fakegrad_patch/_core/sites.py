@@ -39,18 +39,19 @@ def need_mode(mode: Any) -> None:
     ref = modes.get(key)
     if ref is not None and ref() is mode:
         return
-    modes[key] = weakref.ref(mode, functools.partial(_mode_died, modes, key))
+    ref = modes[key] = weakref.ref(mode, functools.partial(_mode_died, key))
     if getattr(mode, "shape_env", None) is None:
-        user_modes[key] = weakref.ref(mode, functools.partial(_mode_died, user_modes, key))
+        user_modes[key] = ref  # one weak reference per mode, in both registries
     for site in tuple(_started):
         site.changed()
 
 
-def _mode_died(registry: dict[int, Any], key: int, ref: Any) -> None:
+def _mode_died(key: int, ref: Any) -> None:
     # A weak reference callback: may run inside the garbage collector anywhere, the trace
     # sink's own write included, so this settles without emitting an event.
-    if registry.get(key) is ref:
-        del registry[key]
+    for registry in (modes, user_modes):
+        if registry.get(key) is ref:
+            del registry[key]
     for site in tuple(_started):
         site.changed(quiet=True)
 

@@ -145,7 +145,6 @@ class WriteBack:
         self.enabled = False
         #: ``FakeTensorMode.dispatch`` wrapped (reports; write-back when enabled)
         self.observing = False
-        self._wrapper: Any = None
         #: the site that puts the wrapper in place while it is needed (made by :meth:`observe`)
         self._site: _sites.Site | None = None
         self._step_hook: Any = None
@@ -172,18 +171,20 @@ class WriteBack:
                 original
             ):
                 return False
-            self._wrapper = wrapt.FunctionWrapper(original, self.dispatch)
-            self._site = _sites.Site(
+            site = _sites.Site(
                 cls,
                 name,
-                self._wrapper,
+                wrapt.FunctionWrapper(original, self.dispatch),
                 original,
                 registry=_sites.user_modes,
                 lost="in-place updates of real tensors inside the mode are not watched",
             )
-            self._site.set_policy(self.enabled)
+            site.set_policy(self.enabled)
+            # before ``observing``: a thread that finds it set finds the wrapper in place when a
+            # mode needs it (the site's own lock never blocks, so holding ours here is safe)
+            site.start()
+            self._site = site
             self.observing = True
-        self._site.start()
         return True
 
     def enable(self) -> bool:
@@ -230,7 +231,6 @@ class WriteBack:
                 return
             self.observing = False
             site, self._site = self._site, None
-            self._wrapper = None
         if site is not None:
             site.close()  # torch's back, unless somebody wrapped over ours (warned)
 
