@@ -145,8 +145,9 @@ class Materializer:
 
     ``adopt=False`` turns the zero-copy set path off (every new ``.grad`` is a copy), for callers
     whose propagated buffers stay referenced elsewhere (mirroring onto real sources).
-    ``on_written(leaf)`` is called after every write of a real ``.grad`` (the registry keeps the
-    grads it manages in sync with in-place changes made inside the mode).
+    ``note_grads=True``: every real ``.grad`` written is noted in the managed-gradient registry
+    (:func:`_leaves.note_grad`: the grads it manages stay in sync with in-place changes made
+    inside the mode).
     """
 
     def __init__(
@@ -154,12 +155,12 @@ class Materializer:
         resolved: Resolved,
         *,
         adopt: bool = True,
-        on_written: Any = None,
+        note_grads: bool = False,
         untrusted: Any = None,
     ) -> None:
         self._r = resolved
         self._adopt = adopt
-        self._on_written = on_written
+        self._note_grads = note_grads
         #: ``untrusted(grad)``: True when the fake gradient was computed from propagated values
         #: the patch could not vouch for (see _values.Values.tainted); None: never.
         self._untrusted = untrusted
@@ -258,16 +259,34 @@ class Materializer:
         *,
         fresh: bool = False,
     ) -> Outcome:
+        adopt = self._adopt
+        if adopt and grad is not None and leaf.grad is None:
+            # The common case, a first gradient nobody else holds (issue 27: the set path's
+            # cost): the test and the assignment run no op (attribute reads, reference counts,
+            # the ``.grad`` setter's own checks), so neither the dispatch guard nor no_grad is
+            # needed. The calibration probe takes this same path, so its reference counts are
+            # the ones measured here; when it refuses, the guarded path below copies and does
+            # not ask again.
+            if self._can_adopt(value, leaf, grad_dtype, grad):
+                leaf.grad = value
+                if self._note_grads:
+                    _leaves.note_written(leaf, value)
+                return _ZERO_COPY.get(source) or Outcome("set", source, zero_copy=True)
+            adopt = False
         # Grad mode is on inside backward only with create_graph=True; then our own ops must not
         # be recorded (AccumulateGrad records ``prior + new`` only, which we do below).
         if torch.is_grad_enabled():
             with self._r.no_dispatch(), torch.no_grad():
-                outcome = self._write_unguarded(leaf, value, grad, grad_dtype, source, fresh, True)
+                outcome = self._write_unguarded(
+                    leaf, value, grad, grad_dtype, source, fresh, True, adopt
+                )
         else:
             with self._r.no_dispatch():
-                outcome = self._write_unguarded(leaf, value, grad, grad_dtype, source, fresh, False)
-        if self._on_written is not None:
-            self._on_written(leaf)
+                outcome = self._write_unguarded(
+                    leaf, value, grad, grad_dtype, source, fresh, False, adopt
+                )
+        if self._note_grads:
+            _leaves.note_grad(leaf)
         return outcome
 
     def _write_unguarded(
@@ -279,6 +298,7 @@ class Materializer:
         source: str,
         fresh: bool,
         create_graph: bool,
+        adopt: bool,
     ) -> Outcome:
         prior = leaf.grad
         if prior is not None and self._r.is_fake(prior):
@@ -296,7 +316,7 @@ class Materializer:
                 # values unshared; a clone is always right.
                 leaf.grad = value.to(device=leaf.device, dtype=grad_dtype, copy=True)
                 return Outcome("set", source, bytes_copied=_nbytes(value))
-            if fresh or (self._adopt and self._can_adopt(value, leaf, grad_dtype, grad)):
+            if fresh or (adopt and self._can_adopt(value, leaf, grad_dtype, grad)):
                 leaf.grad = value
                 return _ZERO_COPY.get(source) or Outcome("set", source, zero_copy=True)
             leaf.grad = self._fresh_copy(value, leaf, grad_dtype)

@@ -286,7 +286,6 @@ class _Applied:
         from . import accumulate as _accumulate
         from . import arming as _arming
         from . import fakeleaves as _fakeleaves
-        from . import leaves as _leaves
         from . import mismatch as _mismatch
         from . import probes as _probes
         from . import sites as _sites
@@ -301,15 +300,15 @@ class _Applied:
         self.values = _values.Values(self.resolved, self.probes, self)
         self.materializer = _accumulate.Materializer(
             self.resolved,
-            on_written=_leaves.note_grad,
+            note_grads=True,
             # the mode's conversions are checked once per generation: a forward that straddles
             # uninstall() (hooks that outlive it) is caught here too, not only at arming
             untrusted=self._untrusted,
         )
         self.hooks = _accumulate.Hooks(self.resolved, self.materializer, self)
         self._values_mod = _values
-        #: (weak reference to the last mode found trusted, (generation, taints) then)
-        self._trusted: tuple[Any, tuple[int, int]] | None = None
+        #: (weak reference to the last mode found trusted, generation then, taints then)
+        self._trusted: tuple[Any, int, int] | None = None
         self.arming = _arming.Arming(self.resolved, self.hooks.prehook_for, self)
         self._bypass = _probes._bypass
         self._bypassed = _probes.bypassed
@@ -379,14 +378,18 @@ class _Applied:
         # Per gradient, the mode is nearly always the one the last gradient had: its answer
         # holds until the next generation (uninstall) or a new taint (issue 27: the hook's cost).
         values = self._values_mod
-        key = (values._Generation.value, len(values._tainted))
         trusted = self._trusted
-        if trusted is not None and trusted[1] == key and trusted[0]() is mode:
+        if (
+            trusted is not None
+            and trusted[0]() is mode
+            and trusted[1] == values._Generation.value
+            and trusted[2] == len(values._tainted)
+        ):
             return False
         if self.values.check_mode(mode):
             return True
         if mode is not None:
-            self._trusted = (weakref.ref(mode), (values._Generation.value, len(values._tainted)))
+            self._trusted = (weakref.ref(mode), values._Generation.value, len(values._tainted))
         return False
 
     # -- first need: probes D1 and P1, zero-copy calibration ------------------------------------

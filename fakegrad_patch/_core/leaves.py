@@ -55,6 +55,12 @@ def note_grad(leaf: torch.Tensor) -> None:
         _grads.set(grad, weakref.ref(leaf))
 
 
+def note_written(leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    """:func:`note_grad` for a plain strided ``grad`` just written to ``leaf`` (the zero-copy set
+    path): no re-read of ``.grad``, one table operation."""
+    _grads.set(grad, weakref.ref(leaf))
+
+
 def managed_grad(t: torch.Tensor) -> bool:
     """Is ``t`` (still) the real ``.grad`` of a leaf the patch knows?"""
     ref = _grads.get(t)
