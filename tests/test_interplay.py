@@ -11,6 +11,7 @@ import pytest
 import torch
 from _helpers import assert_real_grads_equal, fake_mode, is_real
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -111,6 +112,53 @@ def test_flop_counter_stacked_with_the_fake_mode(order: str) -> None:
         ref(x).sum().backward()
     assert flops.get_total_flops() == eager_flops.get_total_flops()
     assert_real_grads_equal(model, ref)
+
+
+_DEVICE = getattr(getattr(torch.ops.prim, "device", None), "default", None)
+
+
+class _OpsInAccumulateGrad(TorchDispatchMode):
+    """Records every op dispatched while an AccumulateGrad node runs (its pre-hooks included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        node = torch._C._current_autograd_node()
+        # prim.device: the engine asking a fake gradient for its device (custom device policy),
+        # with or without the patch; not a computation
+        if node is not None and type(node).__name__ == "AccumulateGrad" and func is not _DEVICE:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C, "_current_autograd_node"), reason="no _current_autograd_node here"
+)
+@pytest.mark.parametrize("order", ["recorder_outside", "recorder_inside"])
+def test_writing_the_real_grad_dispatches_no_op_to_a_stacked_mode(order: str) -> None:
+    """The set path (zero-copy adoption, issue 27: outside the dispatch guard) and the accumulate
+    path write real gradients without an op any mode could see: a dispatch mode stacked with the
+    fake mode sees nothing while AccumulateGrad runs. Eager and upstream's fake AccumulateGrad
+    dispatch there (a ``detach`` per leaf at least), which shows the recorder sees such ops."""
+    model, ref = mlp(), mlp()
+    x = torch.randn(3, 8)
+    recorder = _OpsInAccumulateGrad()
+    for _ in range(2):  # first the set path, then the accumulate path
+        if order == "recorder_outside":
+            with recorder, fake_mode():
+                model(x).sum().backward()
+        else:
+            with fake_mode(), recorder:
+                model(x).sum().backward()
+        ref(x).sum().backward()
+        assert_real_grads_equal(model, ref)
+    assert recorder.ops == []
+    eager = _OpsInAccumulateGrad()
+    with eager:
+        ref(x).sum().backward()
+    assert eager.ops, "the recorder saw no op of eager AccumulateGrad"
 
 
 def test_tensor_hook_sees_the_fake_grad_and_its_result_is_materialized() -> None:
