@@ -168,7 +168,18 @@ def _note(
         return f"{head}; {zero}/{events} set events zero-copy, {copied} bytes copied"
     if case == "P13":
         events = _first(infos, "events_per_round") or 0
-        return f"{unit:+.2f} µs/event ({events} events/round)" if unit is not None else ""
+        text = ""
+        alternating = _first(infos, "alternating_us_per_event")
+        if alternating is not None:
+            pairs = _first(infos, "alternating_pairs")
+            iqr = _first(infos, "alternating_us_per_event_iqr")
+            text = f"{alternating:+.2f} µs/event over {pairs} alternating pairs"
+            if iqr:
+                text += f" [IQR {iqr[0]:+.1f} to {iqr[1]:+.1f}]"
+            text += "; "
+        if unit is not None:
+            text += f"{unit:+.2f} µs/event from the block medians"
+        return f"{text} ({events} events/round)"
     if case == "P14":
         size = _first(infos, "param_tensors")
         return f"{size} parameter tensors" if size else ""
@@ -186,6 +197,11 @@ def _met(case: str, goal: Any, ratio: float, benches: list[dict[str, Any]], vari
         copied = sum(i.get("bytes_copied", 0) for i in infos)
         return "yes" if events and copied == 0 else "**no**"
     unit_goal = _unit_goal(case, benches, variant)
+    if unit_goal is not None and case == "P13":
+        # the alternating pairs resolve what the block medians cannot (test_trace_end_to_end)
+        alternating = _first(_infos(benches, variant), "alternating_us_per_event")
+        if alternating is not None:
+            return "yes" if alternating <= unit_goal else "**no**"
     if unit_goal is not None:
         base = [b for b in benches if b["extra_info"]["variant"] == b["extra_info"]["baseline"]]
         var = [b for b in benches if b["extra_info"]["variant"] == variant]

@@ -9,10 +9,23 @@ Unlike P7 (the materializer called directly), this includes everything tracing a
 fake step: every event the patch emits on the way (not only the per-leaf ones), describing the
 leaves, the logger and the sink. Public API only (``trace.configure_trace``, ``trace.events``,
 ``trace.clear``).
+
+**Alternating rounds.** The trace adds 2-4 % to the step, while two blocks of the same variant
+differ by up to 6 % on a 2-core VM: the difference of block medians cannot tell 10 from 30 us per
+event. So block 0 of each traced variant also runs ``ALTERNATING_PAIRS`` pairs of rounds, one
+traced and one with the trace off, back to back in the same process, the order flipped every
+pair, each after a ``gc.collect()`` (both variants start from the same collector state; the
+collections the step itself triggers stay in the timing). The median of the pairs' differences
+divided by the events a round writes is ``alternating_us_per_event``, with its quartiles: what
+``ratios.py`` reports first and judges the goal by.
 """
 
 from __future__ import annotations
 
+import gc
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +48,40 @@ def _settings(variant: str, path: Path) -> dict[str, Any]:
 
 def _lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+#: pairs of rounds (traced, off) for the alternating estimate; ~0.15 s each
+ALTERNATING_PAIRS = 60
+
+
+def _alternating(
+    step: Callable[[], None],
+    fresh: Callable[[], None],
+    traced: dict[str, Any],
+    off: dict[str, Any],
+    events: int,
+    pairs: int,
+) -> dict[str, Any]:
+    """Per-event cost from back-to-back pairs of rounds (see the module docstring)."""
+    diffs: list[float] = []
+    for i in range(pairs):
+        times: dict[bool, float] = {}
+        for on in (True, False) if i % 2 else (False, True):
+            with _support.trace_config(**(traced if on else off)):
+                fresh()
+                gc.collect()
+                start = time.perf_counter()
+                step()
+                times[on] = time.perf_counter() - start
+        diffs.append(times[True] - times[False])
+    out: dict[str, Any] = {
+        "alternating_pairs": pairs,
+        "alternating_us_per_event": statistics.median(diffs) / events * 1e6,
+    }
+    if pairs >= 4:
+        q1, _, q3 = statistics.quantiles(diffs, n=4)
+        out["alternating_us_per_event_iqr"] = [q1 / events * 1e6, q3 / events * 1e6]
+    return out
 
 
 @pytest.mark.paired("off", "memory", "jsonl")
@@ -72,6 +119,18 @@ def test_p13_trace_end_to_end(benchmark, device: str, slot: _support.Slot, tmp_p
             extra={"events_per_round": written, "goal_us_per_event": GOAL_US.get(slot.variant)},
         )
         recorded = len(trace.events())
+    if slot.variant != "off" and slot.block == 0 and written:
+        pairs = 2 if _support.SMOKE else ALTERNATING_PAIRS
+        benchmark.extra_info.update(
+            _alternating(
+                step,
+                fresh,
+                _settings(slot.variant, path),
+                _settings("off", path),
+                written,
+                pairs,
+            )
+        )
     # Each variant did what it says: nothing recorded with the trace off, events otherwise.
     assert (written > 0) is (slot.variant != "off"), written
     assert (recorded > 0) is (slot.variant != "off"), recorded
