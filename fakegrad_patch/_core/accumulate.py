@@ -7,7 +7,8 @@ so it does nothing more. AccumulateGrad still runs the leaf's post-accumulate ho
 they observe the real ``.grad``.
 
 Real work runs under ``no_dispatch`` (every Python dispatch key excluded), so neither the fake
-mode nor any other mode stacked with it (FlopCounterMode) sees it.
+mode nor any other mode stacked with it (FlopCounterMode) sees it. The zero-copy set path runs no
+op at all (attribute reads, reference counts, the ``.grad`` setter) and is taken before the guard.
 
 The rule, from ``torch/csrc/autograd/functions/accumulate_grad.h`` (``accumulateGrad``):
 

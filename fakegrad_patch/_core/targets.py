@@ -98,8 +98,9 @@ PROPAGATE_CONFIG = Target(
 #: CALLED. C++ guard excluding the Python dispatch keys for a block: no TorchDispatchMode
 #: (FakeTensorMode, FlopCounterMode, ...) and no tensor subclass sees the ops inside. FakeTensorMode
 #: uses the same guard (``torch.utils._mode_utils.no_dispatch``) to run real kernels while it
-#: propagates. We write real gradients under it in the AccumulateGrad pre-hook: about 1 us where
-#: popping and re-pushing the mode stack (DISABLE_CURRENT_MODES) costs about 15 us per leaf.
+#: propagates. We copy and accumulate real gradients under it in the AccumulateGrad pre-hook: about
+#: 1 us where popping and re-pushing the mode stack (DISABLE_CURRENT_MODES) costs about 15 us per
+#: leaf. The zero-copy set path runs no op (attribute reads, the ``.grad`` setter) and skips it.
 NO_DISPATCH = Target(
     "torch._C",
     "_DisableTorchDispatch",
