@@ -354,8 +354,11 @@ def test_merged_into_a_torch_profiler_export_on_its_time_base(tmp_path: Path) ->
     )
     for event in profiled:
         span = materialize[event["args"]["name"]]
-        # two clocks (the trace's wall clock, the profiler's): the same interception within 5 ms
-        assert abs(event["ts"] - span["ts"]) < 5000, (event, span)
+        # Two clocks (the trace's wall clock, read when the event is written; the profiler's, read
+        # when its range opens): the same interception within 50 ms. A preemption between the two
+        # reads on a loaded 2-core CI machine reached 5.7 ms; a wrong time base (the profile's
+        # base ignored, a unit slip) is off by seconds to years.
+        assert abs(event["ts"] - span["ts"]) < 50_000, (event, span)
     # without a profile the same events are on the Unix epoch: the shift is the profile's base
     plain = tmp_path / "plain.json"
     assert _run(str(path), "--chrome", str(plain)).returncode == 0
