@@ -260,32 +260,31 @@ class Materializer:
         *,
         fresh: bool = False,
     ) -> Outcome:
-        adopt = self._adopt
-        if adopt and grad is not None and leaf.grad is None:
-            # The common case, a first gradient nobody else holds (issue 27: the set path's
-            # cost): the test and the assignment run no op (attribute reads, reference counts,
-            # the ``.grad`` setter's own checks), so neither the dispatch guard nor no_grad is
-            # needed. The calibration probe takes this same path, so its reference counts are
-            # the ones measured here; when it refuses, the guarded path below copies and does
-            # not ask again.
-            if self._can_adopt(value, leaf, grad_dtype, grad):
-                leaf.grad = value
-                if self._note_grads:
-                    _leaves.note_written(leaf, value)
-                return _ZERO_COPY.get(source) or Outcome("set", source, zero_copy=True)
-            adopt = False
+        # The common case, a first gradient nobody else holds (issue 27: the set path's cost):
+        # the test and the assignment run no op (attribute reads, reference counts, the
+        # ``.grad`` setter's own checks), so neither the dispatch guard nor no_grad is needed.
+        # This is the only place the zero-copy test runs: the calibration probe takes this same
+        # path, so the reference counts it measured are the ones seen here (one frame deeper,
+        # every count is one higher and the baseline means nothing). When it refuses, the
+        # guarded path below copies.
+        if (
+            self._adopt
+            and grad is not None
+            and leaf.grad is None
+            and self._can_adopt(value, leaf, grad_dtype, grad)
+        ):
+            leaf.grad = value
+            if self._note_grads:
+                _leaves.note_written(leaf, value)
+            return _ZERO_COPY.get(source) or Outcome("set", source, zero_copy=True)
         # Grad mode is on inside backward only with create_graph=True; then our own ops must not
         # be recorded (AccumulateGrad records ``prior + new`` only, which we do below).
         if torch.is_grad_enabled():
             with self._r.no_dispatch(), torch.no_grad():
-                outcome = self._write_unguarded(
-                    leaf, value, grad, grad_dtype, source, fresh, True, adopt
-                )
+                outcome = self._write_unguarded(leaf, value, grad_dtype, source, fresh, True)
         else:
             with self._r.no_dispatch():
-                outcome = self._write_unguarded(
-                    leaf, value, grad, grad_dtype, source, fresh, False, adopt
-                )
+                outcome = self._write_unguarded(leaf, value, grad_dtype, source, fresh, False)
         if self._note_grads:
             _leaves.note_grad(leaf)
         return outcome
@@ -294,12 +293,10 @@ class Materializer:
         self,
         leaf: torch.Tensor,
         value: torch.Tensor,
-        grad: Any,
         grad_dtype: torch.dtype,
         source: str,
         fresh: bool,
         create_graph: bool,
-        adopt: bool,
     ) -> Outcome:
         prior = leaf.grad
         if prior is not None and self._r.is_fake(prior):
@@ -317,7 +314,7 @@ class Materializer:
                 # values unshared; a clone is always right.
                 leaf.grad = value.to(device=leaf.device, dtype=grad_dtype, copy=True)
                 return Outcome("set", source, bytes_copied=_nbytes(value))
-            if fresh or (adopt and self._can_adopt(value, leaf, grad_dtype, grad)):
+            if fresh:  # a buffer made for this leaf (zeros, meta): nobody else holds it
                 leaf.grad = value
                 return _ZERO_COPY.get(source) or Outcome("set", source, zero_copy=True)
             leaf.grad = self._fresh_copy(value, leaf, grad_dtype)

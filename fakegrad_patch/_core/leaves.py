@@ -57,7 +57,8 @@ def note_grad(leaf: torch.Tensor) -> None:
 
 def note_written(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     """:func:`note_grad` for a plain strided ``grad`` just written to ``leaf`` (the zero-copy set
-    path): no re-read of ``.grad``, one table operation."""
+    path): no re-read of ``.grad``, one table operation. (:func:`note_grad` reads first because
+    arming calls it every backward on a grad that is usually noted already: a read, no write.)"""
     _grads.set(grad, weakref.ref(leaf))
 
 
