@@ -3,9 +3,11 @@ fake mode, exceptions, no leaks, and no cost once the fake graph is gone."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -96,17 +98,22 @@ def test_activation_checkpointing(reentrant: bool) -> None:
     torch.testing.assert_close(x.grad, x_ref.grad)
 
 
+def stacked_with_fake_mode(other: Any, outside: bool) -> contextlib.ExitStack:
+    """``other`` and a fresh fake mode entered together, ``other`` outside (entered first) or
+    inside."""
+    stack = contextlib.ExitStack()
+    for mode in (other, fake_mode()) if outside else (fake_mode(), other):
+        stack.enter_context(mode)
+    return stack
+
+
 @pytest.mark.parametrize("order", ["flop_outside", "flop_inside"])
 def test_flop_counter_stacked_with_the_fake_mode(order: str) -> None:
     model, ref = mlp(), mlp()
     x = torch.randn(3, 8)
     flops = FlopCounterMode(display=False)
-    if order == "flop_outside":
-        with flops, fake_mode():
-            model(x).sum().backward()
-    else:
-        with fake_mode(), flops:
-            model(x).sum().backward()
+    with stacked_with_fake_mode(flops, outside=order == "flop_outside"):
+        model(x).sum().backward()
     eager_flops = FlopCounterMode(display=False)
     with eager_flops:
         ref(x).sum().backward()
@@ -146,12 +153,8 @@ def test_writing_the_real_grad_dispatches_no_op_to_a_stacked_mode(order: str) ->
     x = torch.randn(3, 8)
     recorder = _OpsInAccumulateGrad()
     for _ in range(2):  # first the set path, then the accumulate path
-        if order == "recorder_outside":
-            with recorder, fake_mode():
-                model(x).sum().backward()
-        else:
-            with fake_mode(), recorder:
-                model(x).sum().backward()
+        with stacked_with_fake_mode(recorder, outside=order == "recorder_outside"):
+            model(x).sum().backward()
         ref(x).sum().backward()
         assert_real_grads_equal(model, ref)
     assert recorder.ops == []
