@@ -85,6 +85,8 @@ def check_schema(event: dict[str, Any]) -> None:
     assert isinstance(event["tid"], int)
     assert isinstance(event["timestamp"], str) and event["timestamp"].endswith("Z")
     json.dumps(event)  # plain data only: no default= fallback needed
+    # plain types (the hot paths hand their fields to the trace unscrubbed: emit_owned)
+    assert all(_plain(v) for v in event.values()), {k: v for k, v in event.items() if not _plain(v)}
     if event["event"].startswith("fake_grad_"):
         assert event["action"] == event["event"].removeprefix("fake_grad_")
         assert event["source"] in ("propagated", "zeros", "none")
@@ -92,6 +94,16 @@ def check_schema(event: dict[str, Any]) -> None:
         assert isinstance(event["bytes"], int) and event["bytes"] >= 0
         assert isinstance(event["duration_us"], float) and event["duration_us"] >= 0
         assert isinstance(event["shape"], list)
+
+
+def _plain(value: Any) -> bool:
+    """Lists and dicts of exact type (never a ``torch.Size``), scalars (``torch.__version__``
+    is a ``str``), never a tensor."""
+    if type(value) is list:
+        return all(_plain(v) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    return isinstance(value, (str, int, float, bool, type(None)))
 
 
 @pytest.fixture

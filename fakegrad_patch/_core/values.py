@@ -281,7 +281,9 @@ class Values:
                 nbytes = real.numel() * real.element_size()
         if trace.enabled(trace.INFO):
             event = "d2_repaired" if reason == "d2" else "propagated_values_resynced"
-            trace.emit(event, trace.INFO, **_leaves.leaf_fields(source), bytes=nbytes)
+            fields = _leaves.leaf_fields(source)
+            fields["bytes"] = nbytes
+            trace.emit_owned(event, trace.INFO, fields)  # plain values only
 
     # -- conversions the patch did not see -----------------------------------------------------
 

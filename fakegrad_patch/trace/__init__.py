@@ -473,6 +473,8 @@ def _timestamp() -> str:
 #: dict it already has), so structlog's keyword plumbing copies one key instead of a dozen three
 #: times over; the envelope spreads them out.
 _FIELDS: Final = "_fakegrad_fields"
+#: :func:`emit_owned`'s keyword: a dict of plain values the trace may keep as it is.
+_OWNED: Final = "_fakegrad_owned"
 
 
 def _envelope(
@@ -488,7 +490,7 @@ def _envelope(
         "pid": _pid,
         "tid": threading.get_ident(),
     }
-    fields = event_dict.pop(_FIELDS, None)
+    fields = event_dict.pop(_OWNED, None) or event_dict.pop(_FIELDS, None)
     for items in (fields or {}, event_dict):
         for key, value in items.items():
             if key not in out:
@@ -534,7 +536,8 @@ def _envelope_fan_out_render(
     :func:`_envelope`, then :func:`_fan_out`, then the line as bytes, or ``b""`` (written as
     nothing) when there is no sink or it does not want the event. Same keys, same order, same
     scrubbing, same bytes as the separate steps, which stay for the tests and for reading."""
-    fields = event_dict.pop(_FIELDS, None)
+    owned = event_dict.pop(_OWNED, None)
+    fields = event_dict.pop(_FIELDS, None) if owned is None else None
     out: dict[str, Any] = {
         "event": event_dict.pop("event"),
         "level": method_name,
@@ -544,7 +547,11 @@ def _envelope_fan_out_render(
         "tid": _get_ident(),
     }
     plain = _PLAIN_TYPES
-    if fields:
+    if owned is not None:
+        # emit_owned: plain values and no envelope key, its caller's promise: one C call
+        # instead of a type test per field (issue 27: P13's cost per event)
+        out.update(owned)
+    elif fields:
         for key, value in fields.items():
             if key not in out:
                 out[key] = value if type(value) in plain else _scrub(value)
@@ -742,6 +749,24 @@ def emit_fields(event: str, level: int, fields: dict[str, Any]) -> None:
         if method is None:
             method = _method_for(level)
         method(event, _fakegrad_fields=fields)
+    except Exception as exc:
+        _warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
+
+
+def emit_owned(event: str, level: int, fields: dict[str, Any]) -> None:
+    """:func:`emit_fields` for the patch's own hot paths (a materialized gradient, a repaired
+    conversion), where ``fields`` is a dict built for this one call that holds plain values only
+    (``str``, ``int``, ``float``, ``bool``, ``None`` and lists of them; no tensor, no
+    ``torch.Size``) and none of the envelope's keys (``event``, ``level``, ``timestamp``,
+    ``schema``, ``pid``, ``tid``). The trace takes it over as it is, unscrubbed: the caller must
+    not use it afterwards. Same rules otherwise: never raises."""
+    if level < _threshold:
+        return
+    try:
+        method = _methods.get(level)
+        if method is None:
+            method = _method_for(level)
+        method(event, _fakegrad_owned=fields)
     except Exception as exc:
         _warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
 
