@@ -470,7 +470,7 @@ def resolve_all() -> Resolved:
         dispatching_op=_make_dispatching_op(module.FakeTensorMode),
         tensor_use_count=resolve(TENSOR_USE_COUNT),
         is_fake=_make_is_fake(fake_cls),
-        real_of=_make_real_of(),
+        real_of=_make_real_of(fake_cls),
         post_accumulate_hooks=lambda leaf: getattr(leaf, "_post_accumulate_grad_hooks", None),
         torch_is_tracing=_make_torch_is_tracing(),
         described_tensors=_described_tensors,
@@ -551,11 +551,15 @@ def _make_is_fake(fake_cls: type) -> Callable[[Any], bool]:
     return lambda x: type(x) is fake_cls or bool(helper(x))
 
 
-def _make_real_of() -> Callable[[Any], Any]:
+def _make_real_of(fake_cls: type) -> Callable[[Any], Any]:
+    """``real_of(x)``: a fake's propagated values or None. The exact-type case reads the
+    attribute torch's own helper reads (``FakeTensor.real_tensor``) without the helper's frame
+    (issue 27: once per materialized gradient); anything else asks the helper where the build
+    has one (C++ fakes), else the attribute."""
     helper = _resolve_optional(MAYBE_GET_REAL_TENSOR)
     if helper is None:
         return lambda x: getattr(x, "real_tensor", None)
-    return lambda x: helper(x)
+    return lambda x: x.real_tensor if type(x) is fake_cls else helper(x)  # type: ignore[attr-defined]
 
 
 def _make_grad_accumulator_getter() -> Callable[[Any], Any]:
