@@ -40,8 +40,6 @@ from .state import warn_once
 from .targets import Resolved
 from .weak import WeakIdTable
 
-_STRIDED = torch.strided
-
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
     """Python port of c10's ``compute_non_overlapping_and_dense``."""
@@ -346,18 +344,7 @@ class Materializer:
             and value.dtype == dtype
             and value.shape == leaf.shape
             and not value.requires_grad
-            and (
-                # obeys_layout_contract's common case without its frame: both strided and
-                # contiguous, no zero stride (the same shape, so the same strides)
-                (
-                    value.layout is _STRIDED
-                    and leaf.layout is _STRIDED
-                    and leaf.is_contiguous()
-                    and value.is_contiguous()
-                    and 0 not in value.stride()
-                )
-                or obeys_layout_contract(value, leaf)
-            )
+            and obeys_layout_contract(value, leaf)
         ):
             return False
         seen = getattr(self._calibration, "seen", None)
