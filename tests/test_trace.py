@@ -85,7 +85,7 @@ def check_schema(event: dict[str, Any]) -> None:
     assert isinstance(event["tid"], int)
     assert isinstance(event["timestamp"], str) and event["timestamp"].endswith("Z")
     json.dumps(event)  # plain data only: no default= fallback needed
-    # plain types (the hot paths hand their fields to the trace unscrubbed: emit_owned)
+    # plain types (the hot paths hand their fields over unscrubbed: emit_fields(owned=True))
     assert all(_plain(v) for v in event.values()), {k: v for k, v in event.items() if not _plain(v)}
     if event["event"].startswith("fake_grad_"):
         assert event["action"] == event["event"].removeprefix("fake_grad_")

@@ -54,7 +54,7 @@ _EVENTS: list[dict[str, Any]] = [
 
 
 def _plain(value: Any) -> bool:
-    """Plain data as :func:`trace.emit_owned` requires it (exact types: no tuple, no Size)."""
+    """Plain data as ``trace.emit_fields(owned=True)`` requires it (exact types: no Size)."""
     if type(value) is dict:
         return all(type(k) is str and _plain(v) for k, v in value.items())
     if type(value) is list:
@@ -159,10 +159,10 @@ def test_the_one_step_pipeline_records_and_writes_what_the_separate_steps_do(
             expected_lines.append(trace._render(None, "info", step))
             trace.emit_fields("e", trace.INFO, fields)
             if _plain(fields):
-                # emit_owned (the hot paths' call) skips the scrubbing, not the result
+                # owned=True (the hot paths' call) skips the scrubbing, not the result
                 expected_dicts.append(step)
                 expected_lines.append(expected_lines[-1])
-                trace.emit_owned("e", trace.INFO, dict(fields))
+                trace.emit_fields("e", trace.INFO, dict(fields), owned=True)
         assert len(expected_dicts) > len(_EVENTS)  # _EVENTS has plain ones
         trace.emit("e", trace.DEBUG, leaf_id=1)  # below the sink's level: nothing anywhere
     assert path.read_bytes() == b"".join(expected_lines)

@@ -390,7 +390,7 @@ class Materializer:
         fields["zero_copy"] = outcome.zero_copy
         fields["bytes"] = outcome.bytes_copied
         fields["duration_us"] = duration_us
-        trace.emit_owned("fake_grad_" + outcome.action, level, fields)  # plain values only
+        trace.emit_fields("fake_grad_" + outcome.action, level, fields, owned=True)
 
     def backward_id(self) -> int | None:
         getter = self._r.graph_task_id

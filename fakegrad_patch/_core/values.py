@@ -283,7 +283,7 @@ class Values:
             event = "d2_repaired" if reason == "d2" else "propagated_values_resynced"
             fields = _leaves.leaf_fields(source)
             fields["bytes"] = nbytes
-            trace.emit_owned(event, trace.INFO, fields)  # plain values only
+            trace.emit_fields(event, trace.INFO, fields, owned=True)
 
     # -- conversions the patch did not see -----------------------------------------------------
 

@@ -473,7 +473,7 @@ def _timestamp() -> str:
 #: dict it already has), so structlog's keyword plumbing copies one key instead of a dozen three
 #: times over; the envelope spreads them out.
 _FIELDS: Final = "_fakegrad_fields"
-#: :func:`emit_owned`'s keyword: a dict of plain values the trace may keep as it is.
+#: ``emit_fields(owned=True)``'s keyword: a dict of plain values the trace may keep as it is.
 _OWNED: Final = "_fakegrad_owned"
 
 
@@ -548,7 +548,7 @@ def _envelope_fan_out_render(
     }
     plain = _PLAIN_TYPES
     if owned is not None:
-        # emit_owned: plain values and no envelope key, its caller's promise: one C call
+        # emit_fields(owned=True): plain values, no envelope key (its caller's promise): one C call
         # instead of a type test per field (issue 27: P13's cost per event)
         out.update(owned)
     elif fields:
@@ -737,10 +737,16 @@ def emit(event: str, level: int, **fields: Any) -> None:
         emit_fields(event, level, fields)
 
 
-def emit_fields(event: str, level: int, fields: dict[str, Any]) -> None:
+def emit_fields(event: str, level: int, fields: dict[str, Any], *, owned: bool = False) -> None:
     """:func:`emit` for hot paths that already hold the fields in a dict: saves building the
     keyword dict of the call (about a microsecond for a dozen fields). ``fields`` is read, never
     kept or changed. Same rules: plain data only, never raises.
+
+    ``owned=True`` (the patch's own hot paths: a materialized gradient, a repaired conversion):
+    ``fields`` is a dict built for this one call that holds plain values only (``str``, ``int``,
+    ``float``, ``bool``, ``None`` and lists of them; no tensor, no ``torch.Size``) and none of the
+    envelope's keys (``event``, ``level``, ``timestamp``, ``schema``, ``pid``, ``tid``). The trace
+    then takes it over as it is, unscrubbed: the caller must not use it afterwards.
     """
     if level < _threshold:
         return
@@ -748,25 +754,10 @@ def emit_fields(event: str, level: int, fields: dict[str, Any]) -> None:
         method = _methods.get(level)
         if method is None:
             method = _method_for(level)
-        method(event, _fakegrad_fields=fields)
-    except Exception as exc:
-        _warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
-
-
-def emit_owned(event: str, level: int, fields: dict[str, Any]) -> None:
-    """:func:`emit_fields` for the patch's own hot paths (a materialized gradient, a repaired
-    conversion), where ``fields`` is a dict built for this one call that holds plain values only
-    (``str``, ``int``, ``float``, ``bool``, ``None`` and lists of them; no tensor, no
-    ``torch.Size``) and none of the envelope's keys (``event``, ``level``, ``timestamp``,
-    ``schema``, ``pid``, ``tid``). The trace takes it over as it is, unscrubbed: the caller must
-    not use it afterwards. Same rules otherwise: never raises."""
-    if level < _threshold:
-        return
-    try:
-        method = _methods.get(level)
-        if method is None:
-            method = _method_for(level)
-        method(event, _fakegrad_owned=fields)
+        if owned:
+            method(event, _fakegrad_owned=fields)
+        else:
+            method(event, _fakegrad_fields=fields)
     except Exception as exc:
         _warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
 
