@@ -413,14 +413,17 @@ class Hooks:
         #: (issue 27: no closure, weak reference or lock lookup per leaf per backward)
         self._prehooks: WeakIdTable[Any] = WeakIdTable()
 
-    def prehook_for(self, leaf: torch.Tensor) -> Any:
-        """``leaf``'s pre-hook: the same function object for every backward call that arms it
-        (held weakly by the leaf's entry, so it goes with the leaf)."""
-        hook = self._prehooks.get(leaf)
-        if hook is None:
-            hook = self.make_prehook(leaf)
-            self._prehooks.set(leaf, hook)
-        return hook
+    def prehooks_for(self, leaves: list[torch.Tensor]) -> list[Any]:
+        """Each leaf's pre-hook: the same function object for every backward call that arms it
+        (held weakly by the leaf's entry, so it goes with the leaf). One call per armed backward
+        (issue 27: no Python frame per leaf)."""
+        hooks = self._prehooks.get_many(leaves)
+        for i, hook in enumerate(hooks):
+            if hook is None:
+                leaf = leaves[i]
+                hooks[i] = hook = self.make_prehook(leaf)
+                self._prehooks.set(leaf, hook)
+        return hooks
 
     def make_prehook(self, leaf: torch.Tensor) -> Any:
         """The pre-hook for ``leaf``'s AccumulateGrad node. It holds the leaf weakly and writes

@@ -68,15 +68,16 @@ _lasting: list[Any] = []
 
 _Tensor = torch.Tensor
 
-PreHookFactory = Callable[[torch.Tensor], Callable[[tuple[Any, ...]], Any]]
+#: ``prehooks(leaves) -> [each leaf's AccumulateGrad pre-hook]``
+PreHookFactory = Callable[[list[torch.Tensor]], list[Callable[[tuple[Any, ...]], Any]]]
 
 
 class Arming:
     """One installation's arming: the backward wrapper and the hook bookkeeping."""
 
-    def __init__(self, resolved: Resolved, make_prehook: PreHookFactory, applied: Any) -> None:
+    def __init__(self, resolved: Resolved, prehooks: PreHookFactory, applied: Any) -> None:
         self._r = resolved
-        self._make_prehook = make_prehook
+        self._prehooks = prehooks
         self._applied = applied
         self._is_fake = resolved.is_fake
         self._tracing = resolved.torch_is_tracing
@@ -204,41 +205,51 @@ class Arming:
     # -- hooks -----------------------------------------------------------------------------------
 
     def arm(self, pairs: list[tuple[Any, Any]], keep: Any = None) -> list[list[Any]]:
-        """Hook every node of ``pairs`` for one backward call; returns the token for disarm."""
+        """Hook every node of ``pairs`` for one backward call; returns the token for disarm.
+
+        Per leaf only torch's ``register_prehook`` and a few dict and list operations: the hooks
+        are looked up, and the leaves' gradients noted, by one call each (issue 27)."""
+        leaves = [leaf for leaf, _node in pairs]
+        hooks = self._prehooks(leaves)
+        debug = trace.enabled(trace.DEBUG)
         token: list[list[Any]] = []
         new: list[Any] = []
+        hooked = _hooked
         with _lock:
-            for leaf, node in pairs:
+            for (leaf, node), hook in zip(pairs, hooks, strict=True):
                 key = id(node)
-                entry = _hooked.get(key)
+                entry = hooked.get(key)
                 if entry is not None and entry[0] is node:
                     entry[2] += 1
                 else:
-                    handle = node.register_prehook(self._make_prehook(leaf))
-                    entry = [node, handle, 1]
-                    _hooked[key] = entry
-                    new.append(leaf)
+                    # [node, handle, backward calls that armed it, key]
+                    entry = [node, node.register_prehook(hook), 1, key]
+                    hooked[key] = entry
+                    if debug:
+                        new.append(leaf)
                 token.append(entry)
-        for leaf, _node in pairs:
-            _leaves.note_grad(leaf)
-        if new and trace.enabled(trace.DEBUG) and not bypassed():
+        _leaves.note_grads(leaves)
+        if new and not bypassed():
             for leaf in new:
                 trace.emit("leaf_armed", trace.DEBUG, **_leaves.leaf_fields(leaf))
         del keep
         return token
 
     def disarm(self, token: list[list[Any]]) -> None:
+        debug = trace.enabled(trace.DEBUG)
         released: list[Any] = []
+        hooked = _hooked
         with _lock:
             entry: list[Any]
             for entry in token:
                 entry[2] -= 1
                 if entry[2] == 0:
                     entry[1].remove()
-                    if _hooked.get(id(entry[0])) is entry:
-                        del _hooked[id(entry[0])]
-                    released.append(entry[0])
-        if released and trace.enabled(trace.DEBUG) and not bypassed():
+                    if hooked.get(entry[3]) is entry:
+                        del hooked[entry[3]]
+                    if debug:
+                        released.append(entry[0])
+        if released and not bypassed():
             for node in released:
                 leaf = getattr(node, "variable", None)
                 if leaf is not None:
@@ -264,12 +275,13 @@ class Arming:
                 keep.append(node)
                 pairs.append((leaf, node))
         count = 0
+        hooks = self._prehooks([leaf for leaf, _node in pairs])
         with _lock:
-            for leaf, node in pairs:
+            for (_leaf, node), hook in zip(pairs, hooks, strict=True):
                 entry = _hooked.get(id(node))
                 if entry is not None and entry[0] is node:
                     continue  # a running backward holds it; it finishes that call itself
-                _lasting.append(node.register_prehook(self._make_prehook(leaf)))
+                _lasting.append(node.register_prehook(hook))
                 count += 1
             _prune_lasting()
         del keep

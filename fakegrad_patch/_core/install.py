@@ -309,7 +309,7 @@ class _Applied:
         self._values_mod = _values
         #: (weak reference to the last mode found trusted, generation then, taints then)
         self._trusted: tuple[Any, int, int] | None = None
-        self.arming = _arming.Arming(self.resolved, self.hooks.prehook_for, self)
+        self.arming = _arming.Arming(self.resolved, self.hooks.prehooks_for, self)
         self._bypass = _probes._bypass
         self._bypassed = _probes.bypassed
         self._active = True

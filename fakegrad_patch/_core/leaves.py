@@ -55,6 +55,18 @@ def note_grad(leaf: torch.Tensor) -> None:
         _grads.set(grad, weakref.ref(leaf))
 
 
+def note_grads(leaves: list[torch.Tensor]) -> None:
+    """:func:`note_grad` for each of ``leaves`` (arming: once per armed backward, not per leaf)."""
+    tensor, strided, ref = torch.Tensor, torch.strided, weakref.ref
+    for leaf in leaves:
+        grad = leaf.grad
+        if grad is None or type(grad) is not tensor or grad.layout != strided:
+            continue
+        noted = _grads.get(grad)
+        if noted is None or noted() is not leaf:
+            _grads.set(grad, ref(leaf))
+
+
 def note_written(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     """:func:`note_grad` for a plain strided ``grad`` just written to ``leaf`` (the zero-copy set
     path): no re-read of ``.grad``, one table operation. (:func:`note_grad` reads first because

@@ -42,6 +42,15 @@ class WeakIdTable(Generic[V]):
             return entry[1]
         return default
 
+    def get_many(self, objs: list[Any]) -> list[Any]:
+        """``[get(obj) for obj in objs]`` in one call (None where absent)."""
+        data = self._data
+        out: list[Any] = []
+        for obj in objs:
+            entry = data.get(id(obj))
+            out.append(entry[1] if entry is not None and entry[0]() is obj else None)
+        return out
+
     def __contains__(self, obj: Any) -> bool:
         entry = self._data.get(id(obj))
         return entry is not None and entry[0]() is obj
