@@ -150,7 +150,17 @@ def _note(
         hook = _first(infos, "hook_us_median")
         if hook is not None:
             text += f"; in the hook {hook:.1f} µs/leaf (set path, traced)"
-        if unit is not None and unit < 0:
+        arming = _first(infos, "arming_us_per_leaf")
+        if arming is not None:
+            text += f"; arming {arming:.1f} µs/leaf (its profiler ranges)"
+        walk = _first(infos, "floor_walk_us_per_leaf")
+        hooks = _first(infos, "floor_hooks_us_per_leaf")
+        if walk is not None and hooks is not None:
+            text += (
+                f"; timed in the step: walk {walk:.1f} + register_prehook/remove {hooks:.1f}"
+                f" = {walk + hooks:.1f} µs/leaf"
+            )
+        if unit is not None and unit < 0 and walk is None:
             text += (
                 "; negative: upstream's fake AccumulateGrad, which the patch replaces, costs more"
             )
