@@ -93,3 +93,7 @@ def test_weak_id_table_forgets_dead_keys_and_survives_id_reuse() -> None:
     gc.collect()
     assert len(table) == 1000
     assert [table.get(t) for t in keep] == list(range(1000))
+    # the batch lookup arming uses agrees with get(), dead ids reused by new objects included
+    fresh = [torch.zeros(1) for _ in range(100)]
+    assert table.get_many([*keep[:10], *fresh]) == [*range(10), *[None] * 100]
+    assert table.get_many([]) == []
