@@ -279,6 +279,31 @@ def test_updates_that_reach_the_real_tensor_are_not_reported() -> None:
     assert [e for e in events if e["event"] == "update_lost"] == []
 
 
+class _OnlySecondGetsAGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        return second * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad * 2
+
+
+def test_a_gradient_seen_when_its_leaf_is_armed_is_updated_in_place() -> None:
+    """An eager-written ``.grad`` of a leaf that a fake backward armed but sent no gradient
+    (its node is in the graph; its gradient is None): the patch saw it at arming, so an in-place
+    change inside the mode afterwards reaches it, as in eager, and nothing is reported."""
+    first, second = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    (first * 3).sum().backward()  # eager: the patch never wrote this gradient
+    with fake_mode(), trace.capture(trace.WARNING) as events:
+        _OnlySecondGetsAGradient.apply(first, second).sum().backward()
+        assert first.grad is not None
+        first.grad.zero_()  # zero_grad(set_to_none=False) of that one gradient
+    assert type(first.grad) is torch.Tensor and not first.grad.any()
+    assert torch.equal(second.grad, torch.full((3,), 2.0))
+    assert [e for e in events if e["event"] == "update_lost"] == []
+
+
 def test_modes_without_real_values_and_tracers_report_nothing(no_propagate: None) -> None:
     m, x = _linear()
     bn = nn.BatchNorm1d(3)
