@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from fakegrad_patch._core import profiling
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
@@ -28,6 +30,7 @@ BENCH = ROOT / "benchmarks"
 MUST_RUN = {
     "test_p2_fake_forward": "P2",
     "test_p11_arming_per_leaf": "P11",
+    "test_p11_node_hook_floor": "P11",
     "test_p12_set_path_hook_time": "P12",
     "test_p13_trace_end_to_end": "P13",
     "test_p14_scaling": "P14",
@@ -83,3 +86,10 @@ def test_benchmarks_run_in_smoke_mode(tmp_path: Path) -> None:
     ).stdout
     rows = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| P")}
     assert ran <= rows, (ran - rows, table)
+    # item 1's measurements, not only its timings: arming read from the patch's profiler
+    # ranges, torch's floor timed inside its step, the cache control's hook time
+    lines = [line for line in table.splitlines() if line.startswith("| P1")]
+    if profiling.available():  # the build has the ranges' touch points
+        assert any("fwd+bwd 100 leaves" in x and "(its profiler ranges)" in x for x in lines)
+    assert any("floor" in x and "register_prehook/remove" in x for x in lines), table
+    assert any("(control)" in x and "µs/leaf in the hook" in x for x in lines), table
