@@ -229,6 +229,8 @@ def test_mirroring_with_retain_graph_and_create_graph() -> None:
             loss = functional_call(model, fakes, (x,)).square().sum()
             loss.backward(create_graph=True, retain_graph=True)
             loss.backward(retain_graph=True)
+    for fake in fakes.values():
+        fake.grad = None  # create_graph: .grad -> its graph -> the leaf, a cycle gc cannot break
     ref_loss = ref(x).square().sum()
     ref_loss.backward(create_graph=True, retain_graph=True)
     ref_loss.backward()

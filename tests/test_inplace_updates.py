@@ -89,11 +89,15 @@ def _optimizer_in_backward(fake: bool) -> list[torch.Tensor]:
         opts[p].step()
         opts[p].zero_grad()
 
-    for p in m.parameters():
-        p.register_post_accumulate_grad_hook(step)
+    handles = [p.register_post_accumulate_grad_hook(step) for p in m.parameters()]
     with fake_mode() if fake else contextlib.nullcontext():
         for _ in range(2):
             m(x).pow(2).sum().backward()
+    # Parameter -> its hook -> opts -> state (fake momentum buffers, born inside the mode) ->
+    # the mode: a cycle through a tensor's hooks that the garbage collector does not break, so
+    # the mode (and the backward wrapper it keeps in place) would outlive the test
+    for handle in handles:
+        handle.remove()
     return [m.weight.detach(), m.bias.detach()]
 
 
