@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -46,17 +47,14 @@ def leaf_lock(leaf: torch.Tensor) -> Any:
 
 
 def note_grad(leaf: torch.Tensor) -> None:
-    """Remember ``leaf.grad`` when it is a real strided tensor (hot path: once per write)."""
-    grad = leaf.grad
-    if grad is None or type(grad) is not torch.Tensor or grad.layout != torch.strided:
-        return
-    ref = _grads.get(grad)
-    if ref is None or ref() is not leaf:
-        _grads.set(grad, weakref.ref(leaf))
+    """Remember ``leaf.grad`` when it is a real strided tensor (after a copy or an accumulation
+    the patch made)."""
+    note_grads((leaf,))
 
 
-def note_grads(leaves: list[torch.Tensor]) -> None:
-    """:func:`note_grad` for each of ``leaves`` (arming: once per armed backward, not per leaf)."""
+def note_grads(leaves: Iterable[torch.Tensor]) -> None:
+    """:func:`note_grad` for each of ``leaves`` (arming: one call per armed backward, not one per
+    leaf). Usually the gradient is noted already: a read, no write."""
     tensor, strided, ref = torch.Tensor, torch.strided, weakref.ref
     for leaf in leaves:
         grad = leaf.grad
@@ -69,8 +67,8 @@ def note_grads(leaves: list[torch.Tensor]) -> None:
 
 def note_written(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     """:func:`note_grad` for a plain strided ``grad`` just written to ``leaf`` (the zero-copy set
-    path): no re-read of ``.grad``, one table operation. (:func:`note_grad` reads first because
-    arming calls it every backward on a grad that is usually noted already: a read, no write.)"""
+    path): no re-read of ``.grad``, one table operation. (:func:`note_grads` reads first because
+    arming calls it every backward on grads that are usually noted already: a read, no write.)"""
     _grads.set(grad, weakref.ref(leaf))
 
 
