@@ -136,31 +136,27 @@ def test_backward_never_wrapped(mode: str, name: str) -> None:
 # -- in process: where a propagating mode lives -------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _modes_of_earlier_tests_hidden() -> Any:
+@pytest.fixture
+def earlier_modes_hidden() -> Any:
     """The in-process tests below own every propagating mode they check. A mode an earlier test
     of this process left alive in torch's own caches (``torch.export`` keeps its tracing mode
     in a module-level table of proxy_tensor; a ``create_graph`` cycle through a leaf's
     ``.grad``) keeps the wrapper in place, by design, for as long as it lives: xdist decides
-    which files ran before this one. Hidden from the patch's registry for the test, given back
-    after (those still alive)."""
+    which files ran before this one. Hidden from the patch's registry for the test, registered
+    again after (those still alive)."""
     from fakegrad_patch._core import sites
 
     gc.collect()
-    hidden = {k: (r, k in sites.user_modes) for k, r in sites.modes.items() if r() is not None}
-    for key in hidden:
-        sites.modes.pop(key, None)
-        sites.user_modes.pop(key, None)
+    hidden = [r for r in sites.modes.values() if r() is not None]
+    sites.modes.clear()
+    sites.user_modes.clear()
     for site in tuple(sites._started):
         site.changed(quiet=True)
     yield
-    for key, (ref, user) in hidden.items():
-        if ref() is not None and key not in sites.modes:
-            sites.modes[key] = ref
-            if user:
-                sites.user_modes[key] = ref
-    for site in tuple(sites._started):
-        site.changed(quiet=True)
+    for ref in hidden:
+        mode = ref()
+        if mode is not None:
+            sites.need_mode(mode)
 
 
 def _torchs_backward() -> Any:
@@ -180,6 +176,7 @@ def _collect_until_removed() -> None:
             return
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_outside_a_propagating_mode_backward_is_torchs_own() -> None:
     _collect_until_removed()
     original = _torchs_backward()
@@ -192,6 +189,7 @@ def test_outside_a_propagating_mode_backward_is_torchs_own() -> None:
     assert fakegrad_patch.status()["backward_wrapped"] is False
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_in_place_while_a_propagating_mode_lives_and_torchs_again_after() -> None:
     _collect_until_removed()
     original = _torchs_backward()
@@ -207,6 +205,7 @@ def test_in_place_while_a_propagating_mode_lives_and_torchs_again_after() -> Non
     assert torch.autograd.backward is original
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_a_real_backward_runs_no_code_of_the_package_outside_propagating_modes() -> None:
     """P1's reason, counted: no Python call of fakegrad_patch (or wrapt) in real steps."""
     import sys
@@ -232,6 +231,7 @@ def test_a_real_backward_runs_no_code_of_the_package_outside_propagating_modes()
     assert ours == []
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_a_propagating_mode_that_never_converts_still_arms_fake_gradients() -> None:
     """``g = torch.ones(3)`` in the mode converts nothing: the mode is seen when it is built."""
     mode = _propagating_mode()
@@ -243,6 +243,7 @@ def test_a_propagating_mode_that_never_converts_still_arms_fake_gradients() -> N
     torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_an_explicit_policy_keeps_the_interception_in_place() -> None:
     _collect_until_removed()
     original = _torchs_backward()
@@ -256,6 +257,7 @@ def test_an_explicit_policy_keeps_the_interception_in_place() -> None:
     assert torch.autograd.backward is original
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_uninstall_restores_torchs_function_even_while_a_mode_lives() -> None:
     mode = _propagating_mode()
     wrapper = torch.autograd.backward
@@ -269,6 +271,7 @@ def test_uninstall_restores_torchs_function_even_while_a_mode_lives() -> None:
     del mode
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_the_wrapper_pickles_copies_and_scripts_like_torchs_function() -> None:
     _collect_until_removed()
     protocols = range(2, pickle.HIGHEST_PROTOCOL + 1)
@@ -294,6 +297,7 @@ def test_the_wrapper_pickles_copies_and_scripts_like_torchs_function() -> None:
     del mode
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_a_kept_reference_pickles_by_name_after_removal() -> None:
     mode = _propagating_mode()
     wrapper = torch.autograd.backward
@@ -303,6 +307,7 @@ def test_a_kept_reference_pickles_by_name_after_removal() -> None:
     assert pickle.loads(pickle.dumps(wrapper)) is torch.autograd.backward
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_grad_variables_warns_at_the_callers_line_while_in_place() -> None:
     mode = _propagating_mode()
     assert torch.autograd.backward is not _torchs_backward()
@@ -320,6 +325,7 @@ def test_grad_variables_warns_at_the_callers_line_while_in_place() -> None:
     del mode
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_fake_grad_variables_are_armed_like_grad_tensors() -> None:
     mode = _propagating_mode()
     with mode:
@@ -338,6 +344,7 @@ def _line_of_next() -> int:
     return sys._getframe(1).f_lineno
 
 
+@pytest.mark.usefixtures("earlier_modes_hidden")
 def test_modes_built_used_and_dropped_in_threads_leave_torchs_function() -> None:
     """Threads build propagating modes, backward through them and drop them while others run
     real backward passes and collect garbage: every fake backward writes real gradients, and
