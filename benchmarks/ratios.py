@@ -95,7 +95,12 @@ def _unit_goal(case: str, benches: list[dict[str, Any]], variant: str) -> float 
 
 
 def _note(
-    case: str, benches: list[dict[str, Any]], variant: str, delta: float, spread: float | None
+    case: str,
+    benches: list[dict[str, Any]],
+    variant: str,
+    delta: float,
+    spread: float | None,
+    floors: dict[Any, float] | None = None,
 ) -> str:
     infos = _infos(benches, variant)
     unit = per_unit_us(case, benches, variant, delta)
@@ -153,6 +158,9 @@ def _note(
         arming = _first(infos, "arming_us_per_leaf")
         if arming is not None:
             text += f"; arming {arming:.1f} µs/leaf (its profiler ranges)"
+            floor = (floors or {}).get((str(infos[0].get("device", "")), leaves))
+            if floor:  # the same run's floor row at the same size: a machine-free reading
+                text += f" = {arming / floor:.2f}x torch's floor"
         walk = _first(infos, "floor_walk_us_per_leaf")
         hooks = _first(infos, "floor_hooks_us_per_leaf")
         if walk is not None and hooks is not None:
@@ -175,6 +183,12 @@ def _note(
             if unit is not None
             else (_first(infos, "hook_note") or "no hook timing")
         )
+        if variant == "set floor":  # torch alone: no events, nothing to count
+            return f"{head}: the least a set path costs here (read the real values, set .grad)"
+        label = _first(infos, "grad_label")
+        floor = (floors or {}).get((str(infos[0].get("device", "")), label)) if infos else None
+        if unit is not None and floor:
+            head += f" = {unit / floor:.1f}x the set floor"
         return f"{head}; {zero}/{events} set events zero-copy, {copied} bytes copied"
     if case == "P13":
         events = _first(infos, "events_per_round") or 0
@@ -246,9 +260,43 @@ def _paired(ratios: list[float]) -> str:
     return f"{mid:.3f} [{low:.2f}-{high:.2f}]"
 
 
+def p11_floors(
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]],
+) -> dict[tuple[str, int], float]:
+    """(device, leaves) -> torch's per-leaf floor (walk + register_prehook/remove, µs) from the
+    run's P11 floor rows: arming is also read as a multiple of it, which does not depend on how
+    fast the machine is (the absolute goal does)."""
+    floors: dict[tuple[str, int], float] = {}
+    for (case, device, _detail), benches in groups.items():
+        if case != "P11":
+            continue
+        for bench in benches:
+            info = bench["extra_info"]
+            walk, hooks = info.get("floor_walk_us_per_leaf"), info.get("floor_hooks_us_per_leaf")
+            if walk is not None and hooks is not None and info.get("leaves"):
+                floors[(device, int(info["leaves"]))] = walk + hooks
+    return floors
+
+
+def p12_floors(
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]],
+) -> dict[tuple[str, str], float]:
+    """(device, gradient size label) -> the set floor's median time in the hook (µs) from the
+    run's P12 ``set floor`` rows: the set path is also read as a multiple of it."""
+    floors: dict[tuple[str, str], float] = {}
+    for (case, device, _detail), benches in groups.items():
+        if case != "P12":
+            continue
+        for info in _infos(benches, "set floor"):
+            if info.get("hook_us_median") and info.get("grad_label"):
+                floors[(device, str(info["grad_label"]))] = float(info["hook_us_median"])
+    return floors
+
+
 def rows(doc: dict[str, Any]) -> list[list[str]]:
     out: list[list[str]] = []
     groups = group_runs(doc)
+    floors: dict[Any, float] = {**p11_floors(groups), **p12_floors(groups)}
 
     def order(key: tuple[str, str, str]) -> tuple[int, str, str]:
         case, device, detail = key
@@ -311,7 +359,7 @@ def rows(doc: dict[str, Any]) -> list[list[str]]:
                     if goal is None
                     else (f"≤ {goal:.2f}" if not isinstance(goal, str) else goal),
                     _met(case, goal, ratio, benches, variant),
-                    _note(case, benches, variant, median - base_median, delta_iqr),
+                    _note(case, benches, variant, median - base_median, delta_iqr, floors),
                 ]
             )
     return out

@@ -113,6 +113,24 @@ def test_p11_arming_per_leaf(
     assert fakegrad_patch.is_installed() is patched
 
 
+def _accumulate_nodes(root: torch.Tensor) -> tuple[list[Any], list[Any]]:
+    """The AccumulateGrad nodes of ``root``'s graph (``next_functions``), and every node
+    wrapper visited (keep them alive while their ids are compared: they stay unique)."""
+    stack, keep, nodes = [root.grad_fn], [root.grad_fn], []
+    seen = {id(root.grad_fn)}
+    while stack:
+        for nxt, _ in stack.pop().next_functions:
+            if nxt is None or id(nxt) in seen:
+                continue
+            seen.add(id(nxt))
+            keep.append(nxt)
+            if type(nxt).__name__ == "AccumulateGrad":
+                nodes.append(nxt)
+            else:
+                stack.append(nxt)
+    return nodes, keep
+
+
 def _hook_floor_step(model: torch.nn.Module, times: dict[str, list[float]]) -> Any:
     """A propagated fake fwd+bwd with the least any per-node pre-hook design pays per leaf,
     done with torch alone (the patch uninstalled): walk the graph to each AccumulateGrad node
@@ -129,18 +147,7 @@ def _hook_floor_step(model: torch.nn.Module, times: dict[str, list[float]]) -> A
         with _support.fake_mode(propagate=True):
             root = model().sum()
             t0 = clock()
-            stack, keep, nodes = [root.grad_fn], [root.grad_fn], []
-            seen = {id(root.grad_fn)}
-            while stack:
-                for nxt, _ in stack.pop().next_functions:
-                    if nxt is None or id(nxt) in seen:
-                        continue
-                    seen.add(id(nxt))
-                    keep.append(nxt)  # wrappers stay alive: their ids stay unique
-                    if type(nxt).__name__ == "AccumulateGrad":
-                        nodes.append(nxt)
-                    else:
-                        stack.append(nxt)
+            nodes, keep = _accumulate_nodes(root)
             t1 = clock()
             handles = [node.register_prehook(noop) for node in nodes]
             t2 = clock()
@@ -245,7 +252,7 @@ def test_p12_set_path_hook_time(
     patched = slot.variant == "patched"
     _support.use_patch(patched)
     step = _support.fake_step(model)
-    extra: dict[str, Any] = {"leaves": k, "grad_bytes": numel * 4}
+    extra: dict[str, Any] = {"leaves": k, "grad_bytes": numel * 4, "grad_label": grad_size}
     if sweep:  # the control: no goal of its own
         extra["sweep_bytes"] = SWEEP_BYTES
         detail = f"set path, {k} leaves x 1KiB grads, each after a 32MiB sweep (control)"
@@ -269,4 +276,72 @@ def test_p12_set_path_hook_time(
         extra=extra,
     )
     ok = _support.grads_are_real if patched else _support.grads_are_fake
+    assert ok(model)
+
+
+def _set_floor_step(model: torch.nn.Module, times: list[float]) -> Any:
+    """A propagated fake fwd+bwd, the patch uninstalled, where a pre-hook on every
+    AccumulateGrad node does the least a set path can: read the fake gradient's real values
+    and make them the leaf's ``.grad`` (no check at all), returning ``(None,)`` so
+    AccumulateGrad does nothing more. The hook times itself as the patch's ``duration_us``
+    does (from its first line to its last), into ``times`` (µs per leaf)."""
+    clock = time.perf_counter
+
+    def hook_for(leaf: torch.Tensor) -> Any:
+        def set_only(grads: tuple[Any, ...]) -> Any:
+            start = clock()
+            leaf.grad = grads[0].real_tensor
+            times.append((clock() - start) * 1e6)
+            return (None,)
+
+        return set_only
+
+    def run() -> None:
+        with _support.fake_mode(propagate=True):
+            root = model().sum()
+            nodes, keep = _accumulate_nodes(root)
+            handles = [node.register_prehook(hook_for(node.variable)) for node in nodes]
+            try:
+                root.backward()
+            finally:
+                for handle in handles:
+                    handle.remove()
+                del keep
+
+    return run
+
+
+@pytest.mark.paired("unpatched", "set floor", max_blocks=6)
+@pytest.mark.parametrize("grad_size", list(HOOK_SIZES))
+def test_p12_set_floor(benchmark, device: str, grad_size: str, slot: _support.Slot) -> None:
+    """P12's floor: the least any set path costs in the hook, on P12's model and step with the
+    patch uninstalled: a node pre-hook that only reads the fake gradient's real values and sets
+    ``.grad`` (:func:`_set_floor_step`). The patch's set path does the same plus the checks that
+    make it exact (device, dtype, shape, layout contract and reference counts before taking the
+    buffer over; values it can vouch for; the note of the written gradient): ``ratios.py``
+    reads P12's hook time as a multiple of this row's, per size, on the same machine and run."""
+    k, numel, sweep = HOOK_SIZES[grad_size]
+    model = _support.cached(
+        ("P12", grad_size, device), lambda: _Separate(k, numel, device, sweep=sweep)
+    )
+    _support.use_patch(False)
+    times: list[float] = []
+    floor = slot.variant != "unpatched"
+    step = _set_floor_step(model, times) if floor else _support.fake_step(model)
+    _support.record(
+        benchmark,
+        slot,
+        case="P12",
+        device=device,
+        detail=f"set floor, torch alone, {k} leaves x {grad_size} grads",
+        goal=None,
+        target=step,
+        setup=lambda: model.zero_grad(set_to_none=True),
+        rounds=2,
+        extra={"leaves": k, "grad_bytes": numel * 4, "grad_label": grad_size},
+    )
+    if floor:  # timed inside the hook: the median over the rounds' leaves
+        benchmark.extra_info["hook_us_median"] = _support.median(times)
+        benchmark.extra_info["hook_samples"] = len(times)
+    ok = _support.grads_are_real if floor else _support.grads_are_fake
     assert ok(model)

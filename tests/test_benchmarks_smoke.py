@@ -26,12 +26,15 @@ from fakegrad_patch._core import profiling
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
-#: test function -> case; these use only the public API and must run on every build
+#: test function -> case; these use only the public API (the set floor also reads the fake
+#: gradient's ``real_tensor``, which every build with real-value propagation has) and must run on
+#: every build
 MUST_RUN = {
     "test_p2_fake_forward": "P2",
     "test_p11_arming_per_leaf": "P11",
     "test_p11_node_hook_floor": "P11",
     "test_p12_set_path_hook_time": "P12",
+    "test_p12_set_floor": "P12",
     "test_p13_trace_end_to_end": "P13",
     "test_p14_scaling": "P14",
     "test_p15_write_back": "P15",
@@ -90,6 +93,14 @@ def test_benchmarks_run_in_smoke_mode(tmp_path: Path) -> None:
     # ranges, torch's floor timed inside its step, the cache control's hook time
     lines = [line for line in table.splitlines() if line.startswith("| P1")]
     if profiling.available():  # the build has the ranges' touch points
-        assert any("fwd+bwd 100 leaves" in x and "(its profiler ranges)" in x for x in lines)
+        # and read against the same run's floor row (a multiple that does not depend on the
+        # machine's speed, as the absolute goal does)
+        assert any(
+            "fwd+bwd 100 leaves" in x and "(its profiler ranges) = " in x and "x torch's floor" in x
+            for x in lines
+        ), table
     assert any("floor" in x and "register_prehook/remove" in x for x in lines), table
     assert any("(control)" in x and "µs/leaf in the hook" in x for x in lines), table
+    # the set path read against its floor, the least a set path costs in the same step
+    assert any("set floor, torch alone" in x and "the least a set path" in x for x in lines), table
+    assert any("64 leaves x 1KiB" in x and "x the set floor;" in x for x in lines), table
