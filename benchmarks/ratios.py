@@ -274,7 +274,7 @@ def p11_floors(
             info = bench["extra_info"]
             walk, hooks = info.get("floor_walk_us_per_leaf"), info.get("floor_hooks_us_per_leaf")
             if walk is not None and hooks is not None and info.get("leaves"):
-                floors[(device, int(info["leaves"]))] = walk + hooks
+                floors.setdefault((device, int(info["leaves"])), walk + hooks)  # as _first
     return floors
 
 
@@ -289,7 +289,7 @@ def p12_floors(
             continue
         for info in _infos(benches, "set floor"):
             if info.get("hook_us_median") and info.get("grad_label"):
-                floors[(device, str(info["grad_label"]))] = float(info["hook_us_median"])
+                floors.setdefault((device, str(info["grad_label"])), float(info["hook_us_median"]))
     return floors
 
 

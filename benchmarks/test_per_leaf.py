@@ -18,7 +18,11 @@ path's time in the hook per leaf, 1 KiB and 16 MiB gradients.
   note and ``met?`` use the hook's median ``duration_us`` over the leaves of untimed traced runs
   (goal <= 10 us, independent of size); the timed ratio is the whole step. A control row has no
   goal: 16 leaves of 1 KiB whose tensor hooks sweep 32 MiB of memory just before the patch's
-  hook runs, so the hook meets the caches a 16 MiB kernel leaves, without a big gradient.
+  hook runs, so the hook meets the caches a 16 MiB kernel leaves, without a big gradient. A
+  floor row per size, torch alone (``unpatched`` vs ``set floor``): a node pre-hook that only
+  reads the fake gradient's real values and sets ``.grad``, timed inside the hook;
+  ``ratios.py`` reads the set path as a multiple of it (and P11's arming as a multiple of P11's
+  floor), which does not depend on the machine's speed as the absolute goals do.
 """
 
 from __future__ import annotations
