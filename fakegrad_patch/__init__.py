@@ -9,7 +9,15 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from ._config import BUFFERS_VALUES, ON_MISSING_VALUES, Buffers, OnMissing, Settings
+from ._config import (
+    BUFFERS_VALUES,
+    ON_MISSING_VALUES,
+    PROPAGATION_VALUES,
+    Buffers,
+    OnMissing,
+    Propagation,
+    Settings,
+)
 from ._core import install as _install
 from ._core.install import install, is_installed, release_hooks, status, uninstall
 from ._errors import FakeGradError, FakeGradPatchWarning
@@ -22,10 +30,12 @@ if TYPE_CHECKING:
 __all__ = [
     "BUFFERS_VALUES",
     "ON_MISSING_VALUES",
+    "PROPAGATION_VALUES",
     "Buffers",
     "FakeGradError",
     "FakeGradPatchWarning",
     "OnMissing",
+    "Propagation",
     "Settings",
     "VerifyError",
     "VerifyReport",
@@ -46,7 +56,12 @@ __all__ = [
 __version__ = "0.3.0"
 
 
-def configure(*, on_missing: OnMissing | None = None, buffers: Buffers | None = None) -> Settings:
+def configure(
+    *,
+    on_missing: OnMissing | None = None,
+    buffers: Buffers | None = None,
+    propagation: Propagation | None = None,
+) -> Settings:
     """Change settings for the whole process; return the previous ones (pass their fields back,
     or use :func:`patched`, to restore).
 
@@ -55,10 +70,14 @@ def configure(*, on_missing: OnMissing | None = None, buffers: Buffers | None = 
     buffers: ``"upstream"`` (default) or ``"write_back"``: in-place updates a propagating mode
     applies to real tensors that do not require grad (BatchNorm running statistics,
     spectral_norm's vectors) reach them exactly once, as in eager mode; see
-    docs/configuration.md. ``None`` leaves a setting unchanged. Invalid values raise ValueError
-    naming the setting, the value and the valid ones; settings are then unchanged.
+    docs/configuration.md. propagation: ``"repair"`` (default) or ``"upstream"``: in a
+    propagating mode without a ShapeEnv, propagated values upstream gets wrong are repaired and
+    ops whose fake kernel refuses or disagrees after the real kernel ran take the real kernel's
+    outputs; ``"upstream"`` leaves FakeTensorMode's propagation as it is. ``None`` leaves a
+    setting unchanged. Invalid values raise ValueError naming the setting, the value and the
+    valid ones; settings are then unchanged.
     """
-    return _install.configure(on_missing=on_missing, buffers=buffers)
+    return _install.configure(on_missing=on_missing, buffers=buffers, propagation=propagation)
 
 
 def _settings_changed() -> None:
@@ -72,13 +91,17 @@ def settings() -> Settings:
 
 
 def patched(
-    *, on_missing: OnMissing | None = None, buffers: Buffers | None = None
+    *,
+    on_missing: OnMissing | None = None,
+    buffers: Buffers | None = None,
+    propagation: Propagation | None = None,
 ) -> contextlib.AbstractContextManager[None]:
-    """Scoped use: the patch is installed (and ``on_missing``/``buffers`` set when given:
+    """Scoped use: the patch is installed (and ``on_missing``/``buffers``/``propagation`` set
+    when given:
     ``on_missing`` explicitly) inside the block, and the previous state (installed or not,
     settings exactly, the explicit flag included) is restored on exit. An invalid value raises
     ValueError before anything changes."""
-    return _install.patched(on_missing=on_missing, buffers=buffers)
+    return _install.patched(on_missing=on_missing, buffers=buffers, propagation=propagation)
 
 
 def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:

@@ -38,6 +38,12 @@ BUFFERS_VALUES: tuple[str, ...] = ("upstream", "write_back")
 DEFAULT_BUFFERS: Buffers = "upstream"
 ENV_BUFFERS = "FAKEGRAD_BUFFERS"
 
+Propagation = Literal["repair", "upstream"]
+#: Valid values of ``propagation``, in documentation order.
+PROPAGATION_VALUES: tuple[str, ...] = ("repair", "upstream")
+DEFAULT_PROPAGATION: Propagation = "repair"
+ENV_PROPAGATION = "FAKEGRAD_PROPAGATION"
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -56,11 +62,16 @@ class Settings:
         update is applied to the fake's private copy only, the real tensor stays as it was) or
         ``write_back`` (the update reaches the real tensor exactly once, as in eager mode). See
         docs/configuration.md.
+    propagation: what the patch does to real-value propagation itself in a propagating mode
+        without a ShapeEnv (a user's): ``repair`` (default: values upstream gets wrong are
+        repaired, ops whose fake kernel refuses or disagrees after the real kernel ran take the
+        real kernel's outputs) or ``upstream`` (FakeTensorMode's propagation as it is).
     """
 
     on_missing: OnMissing = DEFAULT_ON_MISSING
     on_missing_explicit: bool = False
     buffers: Buffers = DEFAULT_BUFFERS
+    propagation: Propagation = DEFAULT_PROPAGATION
 
 
 #: How many characters of a bad value a message echoes (environment values can be huge).
@@ -124,6 +135,15 @@ def validate_buffers(value: object) -> Buffers:
     if text not in BUFFERS_VALUES:
         raise ValueError(invalid_message(setting("buffers"), value))
     return cast(Buffers, text)
+
+
+def validate_propagation(value: object) -> Propagation:
+    """Return ``value`` as a propagation mode or raise ValueError naming the setting, the value
+    and the allowed values."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in PROPAGATION_VALUES:
+        raise ValueError(invalid_message(setting("propagation"), value))
+    return cast(Propagation, text)
 
 
 def _parse_path(value: object) -> str | None:
@@ -299,6 +319,17 @@ SETTINGS: tuple[Setting, ...] = (
         allowed="one of " + ", ".join(repr(v) for v in BUFFERS_VALUES),
         parse=validate_buffers,
         default=repr(DEFAULT_BUFFERS),
+    ),
+    Setting(
+        name="propagation",
+        env=ENV_PROPAGATION,
+        read_by="fakegrad_patch._config (at import fakegrad_patch)",
+        python=("fakegrad_patch.configure", "fakegrad_patch.patched"),
+        cli=(),
+        ini=(),
+        allowed="one of " + ", ".join(repr(v) for v in PROPAGATION_VALUES),
+        parse=validate_propagation,
+        default=repr(DEFAULT_PROPAGATION),
     ),
     Setting(
         name="path",
@@ -566,11 +597,17 @@ def check_environment() -> list[str]:
 
 def _from_env(environ: Mapping[str, str] | None = None) -> tuple[Settings, str | None]:
     """Settings from the environment, and the warning to give when ``on_missing`` is invalid
-    (an invalid ``FAKEGRAD_BUFFERS`` is reported by :func:`check_environment`, like every other
-    variable of the table, and means the default)."""
+    (an invalid ``FAKEGRAD_BUFFERS`` or ``FAKEGRAD_PROPAGATION`` is reported by
+    :func:`check_environment`, like every other variable of the table, and means the
+    default)."""
     policy, problem = parse_env(ENV_ON_MISSING, environ)
     buffers, _ = parse_env(ENV_BUFFERS, environ)
-    settings = Settings(buffers=buffers) if buffers is not None else Settings()
+    propagation, _ = parse_env(ENV_PROPAGATION, environ)
+    settings = Settings()
+    if buffers is not None:
+        settings = replace(settings, buffers=buffers)
+    if propagation is not None:
+        settings = replace(settings, propagation=propagation)
     if policy is None:
         return settings, problem
     return replace(settings, on_missing=policy, on_missing_explicit=True), None
@@ -613,7 +650,9 @@ def current() -> Settings:
     return settings
 
 
-def update(*, on_missing: object = None, buffers: object = None) -> Settings:
+def update(
+    *, on_missing: object = None, buffers: object = None, propagation: object = None
+) -> Settings:
     """Change settings; return the previous ones. Arguments left as ``None`` are unchanged; a
     given ``on_missing`` makes it explicit (:attr:`Settings.on_missing_explicit`). Every value is
     validated before anything changes."""
@@ -631,6 +670,8 @@ def update(*, on_missing: object = None, buffers: object = None) -> Settings:
                 )
             if buffers is not None:
                 new = replace(new, buffers=validate_buffers(buffers))
+            if propagation is not None:
+                new = replace(new, propagation=validate_propagation(propagation))
             _current = new
     finally:
         _warn_env(problem)

@@ -16,6 +16,11 @@ from fakegrad_patch import _config, trace
 
 #: Set by tests/test_can_fail.py: run the suite against upstream torch to prove it fails there.
 UNPATCHED = os.environ.get("FAKEGRAD_TEST_UNPATCHED") == "1"
+#: Set by tests/test_can_fail.py: the patch installed with its propagation repairs off (issue 39),
+#: to prove the repairs' tests fail without them.
+DEFAULTS = fakegrad_patch.Settings(
+    propagation=os.environ.get("FAKEGRAD_TEST_PROPAGATION", "repair")  # type: ignore[arg-type]
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -88,7 +93,7 @@ def patch_state() -> Iterator[None]:
     else:
         fakegrad_patch.install()
     previous = _config.current()
-    _config.restore(fakegrad_patch.Settings())  # the defaults, nothing explicit
+    _config.restore(DEFAULTS)  # the defaults, nothing explicit
     fakegrad_patch._settings_changed()
     level = trace.set_level(trace.WARNING)
     propagating = functorch_config.fake_tensor_propagate_real_tensors

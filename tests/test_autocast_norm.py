@@ -2,11 +2,14 @@
 
 Upstream (2.13.0, 2.14.1, patched or not): the CPU kernel returns the norm's statistics in
 float32 for a reduced-precision input with float32 parameters, the fake kernel in the input
-dtype, and propagation raises ``MetadataMismatchError`` at the first norm. The patch does not
-repair it (the repair would touch fake kernels torch.compile and export share); it says so: a
-``propagation_mismatch`` trace event naming the known defect, a note on the exception (Python
-3.11+), and a plain ``verify`` error. The documented workaround (the norm in float32) trains
-like eager. On CUDA, autocast runs the norms in float32: no mismatch.
+dtype, and propagation raises ``MetadataMismatchError`` at the first norm. Issue 39: in a user's
+mode (no ShapeEnv) the patch makes the op's outputs from the real kernel's (what eager runs):
+the model trains like eager, with a ``propagation_rebuilt`` trace event naming the op; the fake
+kernels torch.compile and export share are untouched. With ``propagation="upstream"`` the
+patch says what the refusal is: a ``propagation_mismatch`` trace event naming the known defect,
+a note on the exception (Python 3.11+), and a plain ``verify`` error; the documented workaround
+(the norm in float32) trains like eager. On CUDA, autocast runs the norms in float32: no
+mismatch.
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ def _upstream_refuses() -> bool:
     if MismatchError is None:
         return False
     try:
-        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+        with (
+            functorch_config.patch(fake_tensor_propagate_real_tensors=True),
+            fakegrad_patch.patched(propagation="upstream"),
+        ):
             _run_autocast(_model("layer_norm"), _input("layer_norm"), torch.bfloat16)
     except MismatchError:
         return True
@@ -95,10 +101,36 @@ def _run_autocast(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> None
         model(x).float().pow(2).mean().backward()
 
 
+@pytest.fixture
+def upstream_propagation() -> Iterator[None]:
+    with fakegrad_patch.patched(propagation="upstream"):
+        yield
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", NORMS)
+def test_the_norms_train_like_eager_from_the_real_kernels_outputs(
+    refused: None, norm: str, dtype: torch.dtype
+) -> None:
+    model, x = _model(norm), _input(norm)
+    reference = copy.deepcopy(model)
+    with trace.capture(trace.INFO) as events:
+        _run_autocast(model, x, dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        reference(x).float().pow(2).mean().backward()
+    assert_real_grads_equal(model, reference, atol=0, rtol=0)
+    rebuilt = [e for e in events if e["event"] == "propagation_rebuilt"]
+    assert rebuilt and all(e["op"].startswith(NORMS[norm]) for e in rebuilt), events
+    assert all(e["reason"] == "MetadataMismatchError" and e["outputs"] == "real" for e in rebuilt)
+    assert not [e for e in events if e["event"] == "propagation_mismatch"], events
+    for event in rebuilt:
+        check_schema(event)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("norm", NORMS)
 def test_the_mismatch_is_traced_and_explained_on_the_exception(
-    refused: None, norm: str, dtype: torch.dtype
+    refused: None, upstream_propagation: None, norm: str, dtype: torch.dtype
 ) -> None:
     with trace.capture(trace.WARNING) as events, pytest.raises(MismatchError) as info:
         _run_autocast(_model(norm), _input(norm), dtype)
@@ -116,7 +148,9 @@ def test_the_mismatch_is_traced_and_explained_on_the_exception(
 
 
 @pytest.mark.parametrize("norm", ["layer_norm", "batch_norm"])
-def test_verify_says_what_it_is_and_how_to_work_around_it(refused: None, norm: str) -> None:
+def test_verify_says_what_it_is_and_how_to_work_around_it(
+    refused: None, upstream_propagation: None, norm: str
+) -> None:
     inner = _model(norm)
 
     class Autocast(nn.Module):

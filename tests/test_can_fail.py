@@ -130,6 +130,14 @@ MUST_FAIL_UPSTREAM = {
 }
 #: only where this build's propagation refuses CPU autocast norms (2.13, 2.14; not 2.4)
 MUST_FAIL_WHERE_REFUSED = {
+    "test_autocast_norm.py::test_the_norms_train_like_eager_from_the_real_kernels_outputs[layer_norm-torch.bfloat16]",
+    "test_autocast_norm.py::test_the_norms_train_like_eager_from_the_real_kernels_outputs[layer_norm-torch.float16]",
+    "test_autocast_norm.py::test_the_norms_train_like_eager_from_the_real_kernels_outputs[batch_norm-torch.bfloat16]",
+    "test_autocast_norm.py::test_the_norms_train_like_eager_from_the_real_kernels_outputs[batch_norm-torch.float16]",
+    "test_autocast_norm.py::test_the_norms_train_like_eager_from_the_real_kernels_outputs[batch_norm_eval-torch.bfloat16]",
+    "test_autocast_norm.py::test_the_norms_train_like_eager_from_the_real_kernels_outputs[batch_norm_eval-torch.float16]",
+    "test_autocast_norm.py::test_the_norms_train_like_eager_from_the_real_kernels_outputs[group_norm-torch.bfloat16]",
+    "test_autocast_norm.py::test_the_norms_train_like_eager_from_the_real_kernels_outputs[group_norm-torch.float16]",
     "test_autocast_norm.py::test_the_mismatch_is_traced_and_explained_on_the_exception[layer_norm-torch.bfloat16]",
     "test_autocast_norm.py::test_the_mismatch_is_traced_and_explained_on_the_exception[layer_norm-torch.float16]",
     "test_autocast_norm.py::test_the_mismatch_is_traced_and_explained_on_the_exception[batch_norm-torch.bfloat16]",
@@ -138,6 +146,59 @@ MUST_FAIL_WHERE_REFUSED = {
     "test_autocast_norm.py::test_the_mismatch_is_traced_and_explained_on_the_exception[batch_norm_eval-torch.float16]",
     "test_autocast_norm.py::test_the_mismatch_is_traced_and_explained_on_the_exception[group_norm-torch.bfloat16]",
     "test_autocast_norm.py::test_the_mismatch_is_traced_and_explained_on_the_exception[group_norm-torch.float16]",
+}
+#: issue 39: the propagation repairs' tests fail with the repairs off (``propagation="upstream"``,
+#: patch installed); the autocast norms' only where this build refuses them (see below)
+MUST_FAIL_WITHOUT_REPAIRS = {
+    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_add_]",
+    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_add_alpha]",
+    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_add_2d]",
+    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_put_accumulate]",
+    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[scatter_add_]",
+    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_copy_]",
+    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[view_index_add_]",
+    "test_propagation.py::test_overlapping_as_strided_backward_gives_eager_gradients[stft_frames]",
+    "test_propagation.py::test_overlapping_as_strided_backward_gives_eager_gradients[diagonal_bands]",
+    "test_propagation.py::test_overlapping_as_strided_backward_gives_eager_gradients[half_overlap]",
+    "test_propagation.py::test_stft_gradient_is_eager",
+    "test_propagation.py::test_the_repair_is_traced",
+    "test_propagation.py::test_an_op_without_a_meta_kernel_gets_the_real_kernels_values[meta_raises]",
+    "test_propagation.py::test_an_op_without_a_meta_kernel_gets_the_real_kernels_values[no_meta]",
+    "test_propagation.py::test_an_op_without_a_meta_kernel_and_without_values_is_reported",
+    "test_propagation.py::test_the_fallback_repair_is_traced",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[masked_select]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[mask_read]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[nonzero_read]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[index_put_mask]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[repeat_interleave]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[unique_count]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[item]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[bool]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[equal]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[narrow_tensor]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[tensor_split]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[index_fill]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[gaussian_nll_loss]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[cov]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[corrcoef]",
+    "test_propagation.py::test_a_data_dependent_op_gives_eager_values_and_gradients[tolist]",
+    "test_propagation.py::test_nonzero_shape_and_values_come_from_the_real_kernel",
+    "test_propagation.py::test_a_wrong_fake_kernel_gives_way_to_the_real_kernels_outputs[wrong_shape]",
+    "test_propagation.py::test_a_wrong_fake_kernel_gives_way_to_the_real_kernels_outputs[wrong_dtype]",
+    "test_propagation.py::test_a_wrong_fake_kernel_gives_way_to_the_real_kernels_outputs[wrong_device]",
+    "test_propagation.py::test_a_wrong_fake_kernel_gives_way_to_the_real_kernels_outputs[wrong_second_output]",
+    "test_propagation.py::test_recurrent_layers_on_cpu_train_like_eager[lstm_2layer_bidirectional]",
+    "test_propagation.py::test_recurrent_layers_on_cpu_train_like_eager[lstm]",
+    "test_inplace_updates.py::test_loss_item_gives_eager_value_and_upstream_raises",
+    "test_verify.py::test_data_dependent_control_flow_trains_like_eager",
+}
+MUST_PASS_WITHOUT_REPAIRS = {  # controls: right upstream, and what the setting must leave alone
+    "test_propagation.py::test_overlapping_as_strided_backward_gives_eager_gradients[no_overlap]",
+    "test_propagation.py::test_recurrent_layers_on_cpu_train_like_eager[gru]",
+    "test_propagation.py::test_recurrent_layers_on_cpu_train_like_eager[rnn]",
+    "test_propagation.py::test_a_real_gradient_inside_the_block_is_written_as_in_eager[first-add_real]",
+    "test_propagation.py::test_where_the_repair_is_off_or_a_tracer_owns_the_mode_upstream_refuses[upstream]",
+    "test_write_back.py::test_a_decomposed_op_updates_once[cpu]",
 }
 MUST_PASS_UPSTREAM = {  # they pin upstream behaviour that the patch leaves alone
     "test_inplace_updates.py::test_modes_without_real_values_and_tracers_report_nothing",
@@ -164,6 +225,7 @@ def test_behaviour_tests_fail_without_the_patch() -> None:
             "test_write_back.py",
             "test_autocast_norm.py",
             "test_inplace_updates.py",
+            "test_propagation.py",
             "-q",
             "-rA",
             "-p",
@@ -184,3 +246,41 @@ def test_behaviour_tests_fail_without_the_patch() -> None:
     must_fail = MUST_FAIL_UPSTREAM | (MUST_FAIL_WHERE_REFUSED if _upstream_refuses() else set())
     assert failed >= must_fail, must_fail - failed
     assert passed >= MUST_PASS_UPSTREAM, MUST_PASS_UPSTREAM - passed
+
+
+@pytest.mark.slow
+def test_propagation_repairs_fail_without_them() -> None:
+    """Issue 39: the patch installed, its propagation repairs off: their tests fail, the
+    controls pass."""
+    env = {**os.environ, "FAKEGRAD_TEST_PROPAGATION": "upstream"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "test_propagation.py",
+            "test_autocast_norm.py",
+            "test_inplace_updates.py",
+            "test_verify.py",
+            "test_write_back.py",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 1, out.stdout[-3000:]
+    failed = {line.split()[1] for line in out.stdout.splitlines() if line.startswith("FAILED ")}
+    passed = {line.split()[1] for line in out.stdout.splitlines() if line.startswith("PASSED ")}
+    from test_autocast_norm import _upstream_refuses
+
+    refused = {t for t in MUST_FAIL_WHERE_REFUSED if "real_kernels_outputs" in t}
+    must_fail = MUST_FAIL_WITHOUT_REPAIRS | (refused if _upstream_refuses() else set())
+    assert failed >= must_fail, must_fail - failed
+    assert passed >= MUST_PASS_WITHOUT_REPAIRS, MUST_PASS_WITHOUT_REPAIRS - passed

@@ -345,16 +345,24 @@ def test_the_trace_reader_counts_lost_updates(tmp_path: Any) -> None:
 # -- the idioms docs/troubleshooting.md gives ------------------------------------------------------
 
 
-def test_loss_item_raises_upstream_and_materialize_gives_eager_value() -> None:
+def test_loss_item_gives_eager_value_and_upstream_raises() -> None:
+    """Issue 39: ``.item()`` inside a propagating mode is the real kernel's value (upstream
+    raises without a ShapeEnv; ``propagation="upstream"`` keeps that); ``materialize`` gives
+    the same value either way."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     m, x = _linear()
     want = m(x).pow(2).sum().item()
     with fake_mode():
         loss = m(x).pow(2).sum()
+        assert loss.item() == want
+        value = fakegrad_patch.materialize(loss)  # real; read it after the block
+    assert value.item() == want
+    with fakegrad_patch.patched(propagation="upstream"), fake_mode():
+        loss = m(x).pow(2).sum()
         with pytest.raises(DataDependentOutputException):
             loss.item()
-        value = fakegrad_patch.materialize(loss)  # real; read it after the block
+        value = fakegrad_patch.materialize(loss)
     assert value.item() == want
 
 

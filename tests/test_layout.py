@@ -50,6 +50,7 @@ RANKS: list[tuple[str, list[str]]] = [
             "_core.mismatch",
         ],
     ),
+    ("propagation: the dispatch wrapper", ["_core.propagation"]),
     ("fake leaves", ["_core.fakeleaves"]),
     ("install", ["_core.install"]),
     ("tools used by the API", ["_tools.materialize", "_tools.verify_report"]),

@@ -70,6 +70,8 @@ SCHEMA: dict[str, tuple[str, set[str]]] = {
     "write_back_enabled": ("info", ENVELOPE),
     "write_back_disabled": ("info", ENVELOPE | {"unaliased"}),
     "propagation_mismatch": ("warning", ENVELOPE | {"op", "output", "cause", "known"}),
+    "propagation_rebuilt": ("info", ENVELOPE | {"op", "reason", "cause", "outputs"}),
+    "propagation_repaired": ("info", ENVELOPE | {"op", "repair", "values"}),
     "backward_wrapper_installed": ("debug", ENVELOPE | {"modes", "explicit_policy"}),
     "backward_wrapper_removed": ("debug", ENVELOPE | {"modes", "explicit_policy"}),
 }

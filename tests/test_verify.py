@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch._functorch.config as functorch_config
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 import fakegrad_patch
 from fakegrad_patch import trace
@@ -434,6 +435,16 @@ class ItemControlFlow(nn.Linear):
         return y * 2 if y.sum().item() > 0 else y
 
 
+class RefusesFakes(nn.Linear):
+    """Code that cannot run on fakes (it inspects what it is given, as a C extension does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if isinstance(y, FakeTensor):
+            raise RuntimeError("this kernel needs real memory")
+        return y
+
+
 class FailsEagerly(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) @ torch.ones(5, 5)
@@ -450,7 +461,7 @@ def _meta_linear() -> nn.Module:
     [
         (WithLock, torch.randn(2, 3), None, "cannot be deep-copied"),
         (_meta_linear, torch.randn(2, 3), None, "on the meta device"),
-        (lambda: ItemControlFlow(3, 2), torch.randn(2, 3), None, "failed under FakeTensorMode"),
+        (lambda: RefusesFakes(3, 2), torch.randn(2, 3), None, "failed under FakeTensorMode"),
         (lambda: FailsEagerly(3, 2), torch.randn(2, 3), None, "failed eagerly"),
         (lambda: nn.Linear(3, 2), torch.randn(2, 3), lambda out: out, "one element"),
         (lambda: nn.Linear(3, 2).requires_grad_(False), torch.randn(2, 3), None, "require grad"),
@@ -468,6 +479,18 @@ def test_what_cannot_be_compared_raises_a_clear_error_and_restores_state(
     assert fakegrad_patch.is_installed() is installed
     assert torch.equal(torch.get_rng_state(), rng)
     assert not functorch_config.fake_tensor_propagate_real_tensors
+
+
+def test_data_dependent_control_flow_trains_like_eager() -> None:
+    """Issue 39: ``.item()`` in the forward works in a propagating mode (the real kernel's
+    value); with ``propagation="upstream"`` it is upstream's refusal."""
+    torch.manual_seed(0)
+    assert fakegrad_patch.verify(ItemControlFlow(3, 2), torch.randn(2, 3)).ok
+    with (
+        fakegrad_patch.patched(propagation="upstream"),
+        pytest.raises(VerifyError, match="failed under FakeTensorMode"),
+    ):
+        fakegrad_patch.verify(ItemControlFlow(3, 2), torch.randn(2, 3))
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,7 @@ class Outcome:
     """What one interception did (also the payload of the trace event)."""
 
     action: str  # "set" | "accumulate" | "drop" | "error" | "keep"
-    source: str  # "propagated" | "zeros" | "meta" | "none"
+    source: str  # "propagated" | "real" | "zeros" | "meta" | "none"
     zero_copy: bool = False
     bytes_copied: int = 0
 
@@ -193,7 +193,14 @@ class Materializer:
         upstream does (policy ``keep``).
         """
         start = time.perf_counter()
-        if leaf.is_meta:
+        if not self._r.is_fake(grad):
+            # A real gradient (a real ``grad_tensors`` passed on unchanged: ``(x + y).backward(g)``
+            # inside the ``with`` block) while a fake mode is on the stack: AccumulateGrad's own
+            # clone (or in-place add into a prior .grad) would be dispatched to that mode, giving
+            # a FakeTensor ``.grad`` (or adding into a fake copy). Written as AccumulateGrad would
+            # with no mode: its values, copied.
+            outcome = self._write(leaf, grad, None, grad.dtype, "real")
+        elif leaf.is_meta:
             # Shape-only analysis: a meta leaf has no data, so its gradient needs none either.
             # Upstream gives it a (fake) meta gradient; eager on meta gives a real meta one.
             with self._r.no_dispatch(), torch.no_grad():
@@ -430,14 +437,17 @@ class Hooks:
         under the leaf's own lock (as ``AccumulateGrad::apply`` holds its node's mutex)."""
         is_fake = self._r.is_fake
         tracing = self._r.torch_is_tracing
+        fake_mode = self._r.current_fake_mode
         materializer, applied = self._materializer, self._applied
         leaf_ref = weakref.ref(leaf)
         lock = _leaves.leaf_lock(leaf)
 
         def fakegrad_prehook(grad_outputs: tuple[Any, ...]) -> Any:
             grad = grad_outputs[0]
-            if grad is None or not is_fake(grad):
-                return None  # real gradients: AccumulateGrad as usual
+            if grad is None:
+                return None
+            if not is_fake(grad) and (fake_mode is None or fake_mode() is None):
+                return None  # real gradients, no fake mode on the stack: AccumulateGrad's own
             leaf = leaf_ref()
             if leaf is None or not leaf.requires_grad:
                 return None  # AccumulateGrad skips a leaf that no longer requires grad

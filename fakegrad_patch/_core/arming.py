@@ -81,6 +81,7 @@ class Arming:
         self._applied = applied
         self._is_fake = resolved.is_fake
         self._tracing = resolved.torch_is_tracing
+        self._fake_mode = resolved.current_fake_mode
         self.active = True
         # the node class, from a node (installation may happen inside inference_mode)
         with resolved.ordinary_dispatch(), torch.inference_mode(False), torch.enable_grad():
@@ -101,9 +102,10 @@ class Arming:
             len(args) > 1
             and type(args[0]) is _Tensor
             and (args[1] is None or type(args[1]) is _Tensor)
+            and (self._fake_mode is None or self._fake_mode() is None)
         ):
-            # Tensor.backward's call on a real root with a real or no gradient: nothing to arm
-            # (what _arm_call would find), only DDP's scope to check
+            # Tensor.backward's call on a real root with a real or no gradient, outside any fake
+            # mode: nothing to arm (what _arm_call would find), only DDP's scope to check
             scope = self._applied._ddp.backward_scope()
             if scope is None:
                 return wrapped(*args, **kwargs)
@@ -142,6 +144,13 @@ class Arming:
             return None
         modes = [t.fake_mode for t in roots if is_fake(t)]
         modes += [g.fake_mode for g in given if g is not None and is_fake(g)]
+        if not modes and self._fake_mode is not None:
+            # a real backward started inside a fake mode: AccumulateGrad (and torch's own
+            # ``ones_like`` of a scalar root) would run under it, giving real leaves FakeTensor
+            # gradients (``leaf.contiguous().backward(g)`` inside the ``with`` block)
+            current = self._fake_mode()
+            if current is not None:
+                modes.append(current)
         if not modes:
             return None  # the common case: a real backward
         if not (

@@ -241,10 +241,12 @@ def settings_changed() -> None:
         applied.apply_settings()
 
 
-def configure(*, on_missing: Any = None, buffers: Any = None) -> _config.Settings:
+def configure(
+    *, on_missing: Any = None, buffers: Any = None, propagation: Any = None
+) -> _config.Settings:
     """``fakegrad_patch.configure`` (see its docstring): change settings for the whole process and
     return the previous ones."""
-    previous = _config.update(on_missing=on_missing, buffers=buffers)
+    previous = _config.update(on_missing=on_missing, buffers=buffers, propagation=propagation)
     settings_changed()
     return previous
 
@@ -255,11 +257,13 @@ def settings() -> _config.Settings:
 
 
 @contextlib.contextmanager
-def patched(*, on_missing: Any = None, buffers: Any = None) -> Iterator[None]:
+def patched(
+    *, on_missing: Any = None, buffers: Any = None, propagation: Any = None
+) -> Iterator[None]:
     """``fakegrad_patch.patched`` (see its docstring): installed, with these settings, inside the
     block; the previous state exactly afterwards."""
     was_installed = is_installed()
-    previous = _config.update(on_missing=on_missing, buffers=buffers)
+    previous = _config.update(on_missing=on_missing, buffers=buffers, propagation=propagation)
     install()
     settings_changed()
     try:
@@ -288,6 +292,7 @@ class _Applied:
         from . import fakeleaves as _fakeleaves
         from . import mismatch as _mismatch
         from . import probes as _probes
+        from . import propagation as _propagation
         from . import sites as _sites
         from . import targets as _targets
         from . import values as _values
@@ -297,6 +302,9 @@ class _Applied:
         self.resolved = _targets.resolve_all()
         self.probes = _probes.Probes(self.resolved)
         self.write_back = _writeback.WriteBack(self.resolved, self)
+        # owns the FakeTensorMode.dispatch wrapper: the write-back watch and the propagation
+        # repairs (issue 39)
+        self.propagation = _propagation.Propagation(self.resolved, self, self.write_back)
         self.values = _values.Values(self.resolved, self.probes, self)
         self.materializer = _accumulate.Materializer(
             self.resolved,
@@ -497,6 +505,7 @@ class _Applied:
         settings = _config.current()
         want = settings.buffers == "write_back"
         try:
+            self.propagation.repair = settings.propagation == "repair"
             self.values.plain_policy = settings.on_missing_explicit
             if self._active:
                 self.backward_site.set_policy(settings.on_missing_explicit or self._always)
@@ -541,7 +550,8 @@ class _Applied:
         self.arming.active = False
         self._ddp.remove()
         try:
-            self.write_back.remove()
+            self.write_back.disable()
+            self.propagation.remove()
         except Exception as exc:  # never break the host
             self.internal_error("uninstall", exc)
         self._unwrap(self._cls, _ATTR, self._wrapper, self._original, self._had_own_attr)

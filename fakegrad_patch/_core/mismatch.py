@@ -99,7 +99,19 @@ class Mismatch:
         reason = getattr(exc, "reason", None)
         if not isinstance(reason, str) or not reason.startswith(_PREFIX):
             return
-        info = describe(exc, cause=sys.exc_info()[1])  # made inside the inner error's handler
+        user = _in_user_mode()
+        propagation = getattr(self._applied, "propagation", None)
+        if user and propagation is not None and propagation.repair:
+            # the dispatch wrapper makes the op's outputs from the real kernel's (issue 39,
+            # ``propagation_rebuilt``) and calls :meth:`report` only when it cannot
+            return
+        self.report(exc, cause=sys.exc_info()[1], note=user)
+
+    def report(
+        self, exc: BaseException, cause: BaseException | None = None, *, note: bool = True
+    ) -> None:
+        """Trace ``propagation_mismatch`` and, in a user's mode, add the note."""
+        info = describe(exc, cause=cause)  # made inside the inner error's handler
         if info is None:
             return
         if trace.enabled(trace.WARNING):
@@ -111,7 +123,7 @@ class Mismatch:
                 cause=info["cause"],
                 known=info["known"],
             )
-        if hasattr(exc, "add_note") and _in_user_mode():
+        if note and hasattr(exc, "add_note"):
             exc.add_note(info["hint"])
 
 

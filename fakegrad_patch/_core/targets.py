@@ -325,6 +325,74 @@ SCRIPT_BUILTINS = Target(
     ("2.13.0+cpu", "2.14.1+cu130"),
 )
 
+#: WRAPPED, OPTIONAL, like FAKE_MODE_DISPATCH (while a propagating user mode lives).
+#: ``run_fallback_kernel(fake_mode, func, flat_args, args_spec, orig_not_implemented_exception)``:
+#: FakeTensorMode's "unsafe fallback" for an op without a meta kernel (aten's CUDA-only fused
+#: kernels such as ``_thnn_fused_gru_cell``, torchvision/torchaudio ops): it runs the real kernel
+#: on **zero-filled** inputs and converts the outputs with ``from_real_tensor``, so their
+#: propagated values are the zeros' result; on the path where the meta kernel raised
+#: NotImplementedError, ``_dispatch_impl`` returns them without propagating the real kernel's
+#: output (``real_out``, computed before on the real values). Wrapped
+#: (fakegrad_patch/_core/propagation.py) to give the outputs the real kernel's values, or none
+#: where the op had none. Looked up as a module global at call time; same signature on 2.4.0,
+#: 2.13.0 and 2.14.1. Absent: such ops are reported as not repaired.
+RUN_FALLBACK_KERNEL = Target(
+    FAKE_TENSOR_MODULE,
+    "run_fallback_kernel",
+    "optional: outputs of the unsafe fallback kernel get the real kernel's values",
+    ("2.4.0", "2.13.0+cpu", "2.14.1+cu130"),
+)
+
+#: READ, OPTIONAL. The locals ``real_out`` and ``nil`` of a ``FakeTensorMode._dispatch_impl``
+#: frame (with ``self``, the mode, and ``func``): the real kernel's output on the op's
+#: propagated values (``real_out is nil`` when it did not run: an argument without values);
+#: and ``fake_out``, the argument of its inner ``maybe_propagate_real_tensors`` (the fake
+#: kernel's output being checked against it).
+#: Read from the running frame (the fallback kernel) or from a raised exception's traceback (a
+#: fake kernel that refused or disagreed after the real kernel ran): the real kernel is what
+#: eager runs, so the op's fake outputs are made from its outputs. Same names on 2.4.0, 2.13.0,
+#: 2.14.1 and 2.15.0. Absent: no repair, upstream's behaviour (an exception, or the report).
+DISPATCH_IMPL_REAL_OUT = Target(
+    FAKE_TENSOR_MODULE,
+    "FakeTensorMode._dispatch_impl",
+    "optional: the real kernel's output of the op being dispatched (frame locals)",
+    ("2.4.0", "2.13.0+cpu", "2.14.1+cu130", "2.15.0"),
+)
+
+#: READ, OPTIONAL. The exceptions a fake kernel raises where it cannot say what the real kernel
+#: would return without its values: ``DynamicOutputShapeException`` (``nonzero``,
+#: ``masked_select``, ``unique``, ``repeat_interleave``: the output's shape is data-dependent),
+#: ``DataDependentOutputException`` (``_local_scalar_dense``: ``.item()``, ``bool()``;
+#: ``aten.equal``), ``UnsupportedOperatorException`` (no fake kernel, fallback not allowed).
+#: In a propagating mode without a ShapeEnv every real value is known: caught around the op
+#: (the real kernel ran first), its outputs are made from the real kernel's.
+DYNAMIC_OUTPUT_SHAPE = Target(
+    "torch._subclasses.fake_tensor",
+    "DynamicOutputShapeException",
+    "optional: data-dependent ops in a propagating mode take the real kernel's output",
+)
+DATA_DEPENDENT_OUTPUT = Target(
+    "torch._subclasses.fake_tensor",
+    "DataDependentOutputException",
+    "optional: .item(), bool(), aten.equal in a propagating mode take the real kernel's value",
+)
+UNSUPPORTED_OPERATOR = Target(
+    "torch._subclasses.fake_tensor",
+    "UnsupportedOperatorException",
+    "optional: ops without a fake kernel in a propagating mode take the real kernel's output",
+)
+
+#: CALLED, OPTIONAL. ``FakeTensorConverter.from_meta_and_device(fake_mode, meta, device)``:
+#: a FakeTensor of ``mode`` over a fresh meta tensor, on ``device`` (what
+#: ``wrap_meta_outputs_with_default_device_logic`` uses). The fake outputs made from a real
+#: kernel's outputs (sizes, strides, offset, dtype and device of the real tensor) are made with
+#: it, their ``real_tensor`` set to the real output. Same signature on 2.4.0 ... 2.15.0.
+FROM_META_AND_DEVICE = Target(
+    FAKE_TENSOR_MODULE,
+    "FakeTensorConverter.from_meta_and_device",
+    "optional: fake outputs made from a real kernel's outputs",
+)
+
 ALL_TARGETS: tuple[Target, ...] = (
     FROM_REAL_TENSOR,
     FAKE_TENSOR,
@@ -348,6 +416,12 @@ ALL_TARGETS: tuple[Target, ...] = (
     PROFILER_ENABLED,
     RECORD_FUNCTION_FAST,
     SCRIPT_BUILTINS,
+    RUN_FALLBACK_KERNEL,
+    DISPATCH_IMPL_REAL_OUT,
+    DYNAMIC_OUTPUT_SHAPE,
+    DATA_DEPENDENT_OUTPUT,
+    UNSUPPORTED_OPERATOR,
+    FROM_META_AND_DEVICE,
 )
 
 #: Targets whose absence degrades a detail instead of blocking the patch.
@@ -365,6 +439,12 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
         PROFILER_ENABLED,
         RECORD_FUNCTION_FAST,
         SCRIPT_BUILTINS,
+        RUN_FALLBACK_KERNEL,
+        DISPATCH_IMPL_REAL_OUT,
+        DYNAMIC_OUTPUT_SHAPE,
+        DATA_DEPENDENT_OUTPUT,
+        UNSUPPORTED_OPERATOR,
+        FROM_META_AND_DEVICE,
     }
 )
 
@@ -445,6 +525,8 @@ class Resolved:
     described_tensors: Callable[[Any], Any]
     conversions_made: Callable[[Any], int | None]
     memo_of: Callable[[Any], Any]
+    #: the FakeTensorMode on this thread's dispatch stack, or None (None: unknown on this build)
+    current_fake_mode: Callable[[], Any] | None
 
 
 def resolve_all() -> Resolved:
@@ -476,7 +558,18 @@ def resolve_all() -> Resolved:
         described_tensors=_described_tensors,
         conversions_made=_conversions_made,
         memo_of=_memo_of,
+        current_fake_mode=_make_current_fake_mode(),
     )
+
+
+def _make_current_fake_mode() -> Callable[[], Any] | None:
+    """``current_fake_mode()``: the fake mode on this thread's dispatch stack (GET_DISPATCH_MODE);
+    None where the build lacks it."""
+    get_mode = _resolve_optional(GET_DISPATCH_MODE)
+    fake_key = _resolve_optional(DISPATCH_MODE_KEY_FAKE)
+    if get_mode is None or fake_key is None:
+        return None
+    return lambda: get_mode(fake_key)
 
 
 def _make_torch_is_tracing() -> Callable[[], bool]:
@@ -653,6 +746,64 @@ def _dispatch_impl_locals(frame: Any, mode_cls: type) -> dict[str, Any] | None:
     return None
 
 
+_NO_REAL_OUT = object()
+
+
+def real_out_of(local: dict[str, Any] | None) -> Any:
+    """The real kernel's output in a ``_dispatch_impl`` frame's locals (DISPATCH_IMPL_REAL_OUT),
+    or ``NO_REAL_OUT`` when it did not run or cannot be read."""
+    if local is None or "real_out" not in local or "nil" not in local:
+        return _NO_REAL_OUT
+    value = local["real_out"]
+    return _NO_REAL_OUT if value is local["nil"] else value
+
+
+NO_REAL_OUT = _NO_REAL_OUT
+
+
+def running_real_out(mode: Any, depth: int = 2) -> Any:
+    """From inside a function ``_dispatch_impl`` calls (the fallback kernel): the real output
+    of the op its nearest frame of ``mode`` dispatches, or ``NO_REAL_OUT``."""
+    import sys
+
+    frame: Any = sys._getframe(depth)
+    for _ in range(8):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "_dispatch_impl" and frame.f_locals.get("self") is mode:
+            return real_out_of(frame.f_locals)
+        frame = frame.f_back
+    return _NO_REAL_OUT
+
+
+def raised_real_out(tb: Any, mode: Any) -> Any:
+    """From a traceback that starts at a ``dispatch`` call of ``mode``: the real output of the
+    op of the first ``_dispatch_impl`` frame of ``mode`` in it (that call's own), or
+    ``NO_REAL_OUT``."""
+    for _ in range(64):
+        if tb is None:
+            break
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "_dispatch_impl" and frame.f_locals.get("self") is mode:
+            return real_out_of(frame.f_locals)
+        tb = tb.tb_next
+    return _NO_REAL_OUT
+
+
+def raised_fake_out(tb: Any) -> Any:
+    """From such a traceback: the fake kernel's output that real-value propagation was checking
+    when it raised (``maybe_propagate_real_tensors``'s argument ``fake_out``), or
+    ``NO_REAL_OUT``."""
+    for _ in range(64):
+        if tb is None:
+            break
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "maybe_propagate_real_tensors" and "fake_out" in frame.f_locals:
+            return frame.f_locals["fake_out"]
+        tb = tb.tb_next
+    return _NO_REAL_OUT
+
+
 def _make_dispatching_op(mode_cls: type) -> Callable[[], tuple[Any, Any, Any] | None]:
     """``dispatching_op()``, called from inside a conversion: ``(func, args, kwargs)`` of the op
     the converting ``FakeTensorMode._dispatch_impl`` frame dispatches (its locals before it
@@ -736,12 +887,14 @@ UNSET_FAKE_TEMPORARILY = Target(
 )
 
 #: CALLED. The active infra mode of a kind (``torch._C._get_dispatch_mode(FAKE)``): which fake
-#: mode, if any, a DDP forward or a backward runs in. ``FakeTensorMode.propagate_real_tensors``
+#: mode, if any, a DDP forward or a backward runs in; in the AccumulateGrad pre-hook, whether a
+#: real gradient would be accumulated under a fake mode (optional there: absent, real gradients
+#: are AccumulateGrad's). ``FakeTensorMode.propagate_real_tensors``
 #: (READ, an attribute set at construction) says whether the patch can make its gradients real.
 GET_DISPATCH_MODE = Target(
     "torch._C",
     "_get_dispatch_mode",
-    "DDP: the fake mode a DDP forward or a backward runs in",
+    "DDP, accumulate: the fake mode a DDP forward, a backward or AccumulateGrad runs in",
     ("2.13.0+cpu", "2.14.1+cu130"),
 )
 DISPATCH_MODE_KEY_FAKE = Target(

@@ -210,7 +210,7 @@ class Values:
         are upstream's, or an alias of ``t``): the untrusted-mode check then trusts it."""
         root = t._base if t._base is not None else t
         fake_root = fake._base if fake._base is not None else fake
-        data = real.untyped_storage().data_ptr()
+        data = real.untyped_storage().data_ptr() if real.layout == torch.strided else 0
         self._table(conv).set(root, (weakref.ref(fake_root), data, t._version))
 
     def _note(self, conv: Any, t: Any) -> None:
@@ -222,8 +222,8 @@ class Values:
 
     def _sync(self, conv: Any, fake: Any, source: Any, *, foreign: bool = False) -> None:
         real = self._real_of(fake)
-        if real is None:
-            return
+        if real is None or real.layout != torch.strided or source.layout != torch.strided:
+            return  # no values, or no storage to repair (sparse: upstream's values)
         root = source._base if source._base is not None else source
         if foreign:
             values = self._real_of(source)

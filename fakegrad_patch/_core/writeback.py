@@ -46,15 +46,13 @@ import torch
 
 from .. import trace
 from . import leaves as _leaves
-from . import sites as _sites
-from . import targets as _targets
 from .state import warn_once
 from .weak import WeakIdTable
 
 _NO_WRITES: tuple[tuple[int, str], ...] = ()
 
 
-class _Frame:
+class Frame:
     """The outermost op of one mode on one thread."""
 
     __slots__ = (
@@ -79,7 +77,7 @@ class _Frame:
         self.mode = mode
         #: the op's (args, kwargs)
         self.op = op
-        #: whether :meth:`WriteBack._scan` ran (only when the op or a nested op writes)
+        #: whether :meth:`WriteBack.scan` ran (only when the op or a nested op writes)
         self.scanned = False
         #: nesting below the outermost op (0: the outermost op itself)
         self.depth = 0
@@ -143,49 +141,29 @@ class WriteBack:
         self._stand_ins: dict[int, _StandIn] = {}
         #: write-back semantics on (``buffers="write_back"``)
         self.enabled = False
-        #: ``FakeTensorMode.dispatch`` wrapped (reports; write-back when enabled)
-        self.observing = False
-        #: the site that puts the wrapper in place while it is needed (made by :meth:`observe`)
-        self._site: _sites.Site | None = None
+        #: the owner of the ``FakeTensorMode.dispatch`` wrapper (``_propagation.Propagation``),
+        #: which calls this watch around every op of a propagating user mode
+        self._dispatcher: Any = None
         self._step_hook: Any = None
 
     # -- on / off --------------------------------------------------------------------------------
 
-    def observe(self) -> bool:
-        """Watch the ops of propagating user modes (idempotent, thread-safe): from now on
-        ``FakeTensorMode.dispatch`` is wrapped while such a mode lives or write-back is on, and
-        is torch's own function otherwise (issue 28: a plain mode, a tracer's, pays nothing per
-        op). False where ``dispatch`` is missing (then in-place updates are reported only where
-        the converter sees them)."""
-        if self.observing:
-            return True
-        import wrapt
+    def attach(self, dispatcher: Any) -> None:
+        """``dispatcher`` (``_propagation.Propagation``) owns the ``dispatch`` wrapper and the
+        per-thread stack of outermost ops (``dispatcher.tls.stack``), which conversions read."""
+        self._dispatcher = dispatcher
+        self._tls = dispatcher.tls
 
-        with self._lock:
-            if self.observing:
-                return True
-            cls = self._r.fake_mode_cls
-            name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
-            original = cls.__dict__.get(name)
-            if _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH) is None or not callable(
-                original
-            ):
-                return False
-            site = _sites.Site(
-                cls,
-                name,
-                wrapt.FunctionWrapper(original, self.dispatch),
-                original,
-                registry=_sites.user_modes,
-                lost="in-place updates of real tensors inside the mode are not watched",
-            )
-            site.set_policy(self.enabled)
-            # before ``observing``: a thread that finds it set finds the wrapper in place when a
-            # mode needs it (the site's own lock never blocks, so holding ours here is safe)
-            site.start()
-            self._site = site
-            self.observing = True
-        return True
+    @property
+    def observing(self) -> bool:
+        """``FakeTensorMode.dispatch`` is watched (reports; write-back when enabled)."""
+        return self._dispatcher is not None and self._dispatcher.observing
+
+    def observe(self) -> bool:
+        """Watch the ops of propagating user modes (idempotent, thread-safe): see
+        ``Propagation.observe``. False where ``dispatch`` is missing (then in-place updates are
+        reported only where the converter sees them)."""
+        return self._dispatcher is not None and self._dispatcher.observe()
 
     def enable(self) -> bool:
         """Write-back on; False (write-back unavailable) when ``dispatch`` is missing."""
@@ -196,8 +174,7 @@ class WriteBack:
                 return True
             self.enabled = True
             self._step_hook = _register_step_hook(self._after_optimizer_step)
-        if self._site is not None:
-            self._site.set_policy(True)  # wrapped while write-back is on, modes or not
+        self._dispatcher.set_policy(True)  # wrapped while write-back is on, modes or not
         if trace.enabled(trace.INFO):
             trace.emit("write_back_enabled", trace.INFO)
         return True
@@ -214,8 +191,8 @@ class WriteBack:
             aliased = list(self._aliases.items())
             self._aliases.clear()
             self._storages.clear()
-        if self._site is not None:
-            self._site.set_policy(False)
+        if self._dispatcher is not None:
+            self._dispatcher.set_policy(False)
         if hook is not None:
             hook.remove()
         count = sum(self._unalias(fake, real) for fake, real in aliased)
@@ -223,82 +200,9 @@ class WriteBack:
             trace.emit("write_back_disabled", trace.INFO, unaliased=count)
         return count
 
-    def remove(self) -> None:
-        """``uninstall()``: write-back off and ``dispatch`` torch's own again."""
-        self.disable()
-        with self._lock:
-            if not self.observing:
-                return
-            self.observing = False
-            site, self._site = self._site, None
-        if site is not None:
-            site.close()  # torch's back, unless somebody wrapped over ours (warned)
+    # -- the watch, called by the dispatch wrapper (``_propagation.Propagation.dispatch``) -------
 
-    # -- the dispatch wrapper -------------------------------------------------------------------
-
-    def _stack(self) -> list[_Frame]:
-        stack: list[_Frame] | None = getattr(self._tls, "stack", None)
-        if stack is None:
-            stack = self._tls.stack = []
-        return stack
-
-    def dispatch(
-        self, wrapped: Any, mode: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        if (
-            not self.observing
-            or not getattr(mode, "propagate_real_tensors", False)
-            or getattr(mode, "shape_env", None) is not None
-        ):
-            return wrapped(*args, **kwargs)
-        stack = self._stack()
-        frame = None
-        for item in reversed(stack):
-            if item.mode is mode:
-                frame = item
-                break
-        try:
-            func = args[0] if args else kwargs["func"]
-            written = self._written_args(func)
-            op_args, op_kwargs = _op_arguments(args, kwargs)
-        except Exception as exc:  # never break the host's fake computation
-            self._applied.internal_error("write_back", exc)
-            return wrapped(*args, **kwargs)
-        if frame is None:
-            frame = _Frame(mode, (op_args, op_kwargs))
-            if written:
-                self._guarded(self._enter, frame, written)
-            stack.append(frame)
-            ok = False
-            try:
-                result = wrapped(*args, **kwargs)
-                ok = True
-                if self._stand_ins and _is_view_op(func):
-                    self._guarded(self._views_of_stand_ins, func, result)
-                return result
-            finally:
-                stack.pop()
-                if frame.written or frame.swaps or frame.param_swaps:
-                    self._guarded(self._finish, frame)
-                if ok and frame.copy_back:
-                    self._guarded(self._copy_back, frame)
-                if ok and frame.lost:
-                    self._guarded(self._report_lost, frame, func)
-        frame.depth += 1
-        try:
-            if written:
-                self._guarded(self._nested_write, frame, func, written, op_args, op_kwargs)
-            return wrapped(*args, **kwargs)
-        finally:
-            frame.depth -= 1
-
-    def _guarded(self, method: Any, *args: Any) -> None:
-        try:
-            method(*args)
-        except Exception as exc:  # never break the host's fake computation
-            self._applied.internal_error("write_back", exc)
-
-    def _written_args(self, func: Any) -> tuple[tuple[int, str], ...]:
+    def written_args(self, func: Any) -> tuple[tuple[int, str], ...]:
         written = self._written.get(func)
         if written is None:
             schema = getattr(func, "_schema", None)
@@ -310,7 +214,7 @@ class WriteBack:
             written = self._written[func] = tuple(found) or _NO_WRITES
         return written
 
-    def _scan(self, frame: _Frame) -> None:
+    def scan(self, frame: Frame) -> None:
         """The outermost op's arguments (once, when the op or a nested op writes): will it run
         for real, where are its arguments' values, which fake arguments alias real tensors
         already (real ones are noted when converted)."""
@@ -329,12 +233,12 @@ class WriteBack:
             if ptr is not None:
                 frame.arguments.add(ptr)
 
-    def _enter(self, frame: _Frame, written: Any) -> None:
+    def enter(self, frame: Frame, written: Any) -> None:
         """The outermost op's schema writes arguments: the real ones are noted (their
         conversion decides whether the update reaches them); with write-back on, where their
         values are (for the shadows and the trace)."""
         if self.enabled:
-            self._scan(frame)
+            self.scan(frame)
         for t in _written_tensors(written, *frame.op):
             if self._is_fake(t):
                 ptr = _storage(t.real_tensor)
@@ -350,16 +254,29 @@ class WriteBack:
                 if self.enabled and ptr is not None and not t.requires_grad:
                     frame.written.add(ptr)
 
-    def _nested_write(
-        self, frame: _Frame, func: Any, written: Any, op_args: Any, op_kwargs: Any
+    def nested_write(
+        self, frame: Frame, func: Any, written: Any, op_args: Any, op_kwargs: Any
     ) -> None:
         """A nested op (a decomposition or meta implementation that FakeTensorMode runs under
         the mode) writes tensors. One over the propagated copy of a real tensor is an update of
         that real tensor (``native_batch_norm``'s running statistics: its schema does not mark
-        them written): write-back shadows it when it aliases (:meth:`_shadow`); a copy's update
-        is lost, and reported."""
-        if self.enabled:
-            self._shadow(frame, written, op_args, op_kwargs)
+        them written): with write-back on, an aliased argument of the outer op is written (by
+        the outer op's real run, or by this one when the outer op had no real values: the
+        propagation repairs shadow the nested write otherwise); a copy's update is lost, and
+        reported."""
+        if self.enabled and not frame.scanned:
+            self.scan(frame)
+        if self.enabled and frame.arguments:
+            for t in _written_tensors(written, op_args, op_kwargs):
+                if not self._is_fake(t):
+                    continue
+                ptr = _storage(t.real_tensor)
+                if ptr is None or ptr not in frame.arguments:
+                    continue
+                if ptr in frame.aliased:
+                    frame.written.add(ptr)
+                if not frame.real_ok:
+                    frame.nested.add(ptr)
         if not self._stand_ins:
             return
         for t in _written_tensors(written, op_args, op_kwargs):
@@ -368,7 +285,20 @@ class WriteBack:
                 if ptr is not None:
                     self._fake_written(frame, ptr, str(func))
 
-    def _fake_written(self, frame: _Frame, ptr: int, via: str) -> None:
+    def returned(self, frame: Frame, func: Any, result: Any, ok: bool) -> None:
+        """The outermost op returned (``ok``) or raised: parameters aliased for it get their
+        own values back, write-backs are traced, copies written through a view are copied back,
+        lost updates reported; a view of a stand-in keeps its record."""
+        if ok and self._stand_ins and _is_view_op(func):
+            self._views_of_stand_ins(func, result)
+        if frame.written or frame.param_swaps:
+            self._finish(frame)
+        if ok and frame.copy_back:
+            self._copy_back(frame)
+        if ok and frame.lost:
+            self._report_lost(frame, func)
+
+    def _fake_written(self, frame: Frame, ptr: int, via: str) -> None:
         """A fake over storage ``ptr`` is written: when that is a real tensor's private copy,
         the update is lost (reported when the outer op returns)."""
         entry = self._stand_ins.get(ptr)
@@ -412,45 +342,15 @@ class WriteBack:
                 if entry is not None and entry.real(ptr) is not None:
                     entry.hold(out)
 
-    def _shadow(self, frame: _Frame, written: Any, op_args: Any, op_kwargs: Any) -> None:
-        """A nested op (a decomposition or meta implementation that FakeTensorMode runs under
-        the mode) writes an argument of the outer op. FakeTensorMode runs the nested op for real
-        too: when the outer op already ran for real, that applies its update a second time
-        (``native_batch_norm``'s running statistics: twice). Then the nested op gets a shadow
-        copy until the outer op returns. When the outer op did not run for real, the nested op
-        is the only one that updates: it writes the alias directly, once."""
-        if not frame.scanned:
-            self._scan(frame)
-        if not frame.arguments:
-            return
-        no_dispatch = self._r.no_dispatch
-        for t in _written_tensors(written, op_args, op_kwargs):
-            if not self._is_fake(t):
-                continue
-            real = t.real_tensor
-            ptr = _storage(real)
-            if ptr is None or ptr not in frame.arguments:
-                continue
-            if ptr in frame.aliased:
-                frame.written.add(ptr)
-            if not frame.real_ok:
-                frame.nested.add(ptr)
-                continue
-            with no_dispatch(), torch.no_grad():
-                shadow = _private_copy(real)
-                t.real_tensor = shadow
-            frame.swaps.append((t, real, shadow))
-
-    def _finish(self, frame: _Frame) -> None:
-        """The outermost op returned: put the arguments' values back, trace every write-back.
+    def _finish(self, frame: Frame) -> None:
+        """The outermost op returned: parameters aliased for this op get their own values
+        back, every write-back is traced.
 
         (Version counters cannot tell what was written: the real run of an op bumps the alias's
         version, as eager does, only where the op's schema marks the argument written, and
         ``native_batch_norm``'s does not mark its running statistics.)"""
-        if frame.swaps or frame.param_swaps:
+        if frame.param_swaps:
             with self._r.no_dispatch():
-                for fake, before, _shadow in reversed(frame.swaps):
-                    fake.real_tensor = before
                 # A parameter's fake goes back to its own copy: the values machinery re-syncs
                 # it from the real parameter (whose version moved) at its next conversion.
                 for fake, before in reversed(frame.param_swaps):
@@ -478,7 +378,7 @@ class WriteBack:
                     reason="the op had no real values (an argument without propagated values)",
                 )
 
-    def _copy_back(self, frame: _Frame) -> None:
+    def _copy_back(self, frame: Frame) -> None:
         """Write-back: the outer op updated a real tensor's private copy through a view of it,
         once: the copy's storage becomes the real tensor's values (through a ``detach()`` of
         it, so its version moves as eager's does). Where the layouts differ it is reported."""
@@ -511,7 +411,7 @@ class WriteBack:
 
     # -- reports: updates that did not reach the real tensor ------------------------------------
 
-    def _report_lost(self, frame: _Frame, func: Any) -> None:
+    def _report_lost(self, frame: Frame, func: Any) -> None:
         """The outer op returned having updated only fake copies of these real tensors."""
         op = str(func)
         for real, via in frame.lost.values():
@@ -532,7 +432,7 @@ class WriteBack:
         if _storage(real) == _storage(t):
             return  # aliased (write-back, a managed .grad): updates reach t
         self._stand_in(t, fake, real)
-        stack: list[_Frame] | None = getattr(self._tls, "stack", None)
+        stack: list[Frame] | None = getattr(self._tls, "stack", None)
         frame = stack[-1] if stack else None
         if frame is None or frame.mode is not mode:
             self._unobserved_op_input(mode, t, fake)
@@ -558,7 +458,7 @@ class WriteBack:
         if found is None:
             return
         func, op_args, op_kwargs = found
-        written = self._written_args(func)
+        written = self.written_args(func)
         if not written:
             return
         if (
@@ -567,7 +467,7 @@ class WriteBack:
         ):
             report_lost(t, str(func), "", self.enabled)
 
-    def _alias_parameter(self, frame: _Frame, t: Any, fake: Any, real: Any) -> bool:
+    def _alias_parameter(self, frame: Frame, t: Any, fake: Any, real: Any) -> bool:
         """Write-back: a tensor that requires grad, written by this op under ``no_grad``: its
         fake's values are ``t`` itself for this op only (then its own copy again, re-synced at
         its next conversion), so the update reaches ``t`` once, as in eager mode."""
@@ -588,7 +488,7 @@ class WriteBack:
             fake.real_tensor = t.detach()
         frame.param_swaps.append((fake, real))
         if not frame.scanned:
-            self._scan(frame)
+            self.scan(frame)
         frame.arguments.add(ptr)
         frame.aliased[ptr] = t
         frame.written.add(ptr)
@@ -619,7 +519,7 @@ class WriteBack:
         """``t`` (real, does not require grad) was just converted as an op input: alias the
         fake's propagated values to it when this is the outermost op of ``mode`` and the op was
         not already run for real. True when the fake aliases ``t`` (now or from before)."""
-        stack: list[_Frame] | None = getattr(self._tls, "stack", None)
+        stack: list[Frame] | None = getattr(self._tls, "stack", None)
         if not stack:
             return False
         frame = stack[-1]
@@ -666,7 +566,7 @@ class WriteBack:
         return True
 
     @staticmethod
-    def _noted(frame: _Frame, ptr: int, t: Any) -> None:
+    def _noted(frame: Frame, ptr: int, t: Any) -> None:
         frame.aliased[ptr] = t
 
     def _own(self, ptr: int, root: Any) -> None:

@@ -1,0 +1,530 @@
+"""What the patch does to FakeTensorMode's real-value propagation itself (issue 39).
+
+A propagating ``FakeTensorMode`` runs every op twice: the real kernel on the propagated values
+(``real_out``) and the fake implementation (a meta kernel, a Python decomposition, a fake kernel
+of a custom op, or the "unsafe fallback"), then copies the real outputs onto the fake outputs.
+The patch copies those values into ``.grad``, so wherever upstream's values are wrong, the user's
+gradient is wrong. Measured, on every build and device (tests/opinfo_sweep.py, PyTorch's own
+operator database as the test family), three families, each repaired here where the installed
+torch shows it, by behaviour (never by version):
+
+* **In-place ops that FakeTensorMode decomposes** (``index_add_`` into ``index_put_``: the
+  backward of an overlapping ``as_strided``, so ``stft``; ``native_batch_norm``'s running
+  statistics): the real kernel updates the argument's values, then the decomposition's nested
+  ops run for real under the mode and update them again. Each nested op that writes an argument
+  of the outermost op, when that op ran for real, gets a *shadow* copy until the outer op
+  returns: the update happens once, as in eager mode (``propagation_repaired``,
+  ``repair: "nested_write"``).
+* **Ops without a meta kernel** (aten's CUDA-only fused kernels: ``_thnn_fused_gru_cell``;
+  torchvision/torchaudio ops) take ``run_fallback_kernel``: the real kernel on zero-filled
+  inputs, whose outputs were returned without the real kernel's values on one path. Their
+  outputs get the real kernel's values (or lose the zeros' values where the op had no real
+  values: then the gradients are reported, never copied) (``repair: "fallback_kernel"``).
+* **Fake kernels that refuse or disagree**, in a mode without a ShapeEnv (a user's, not a
+  tracer's), where the real kernel already ran: data-dependent ops (``nonzero``,
+  ``masked_select``, boolean-mask reads, ``unique``, ``repeat_interleave``, ``.item()``,
+  ``bool()``, ``aten.equal``: ``DynamicOutputShapeException`` / ``DataDependentOutputException``),
+  ops without a fake kernel (``UnsupportedOperatorException``), and fake kernels whose outputs
+  differ from the real kernel's (``MetadataMismatchError``: CPU autocast norms,
+  ``mkldnn_rnn_layer``, SDPA efficient attention's philox outputs on CUDA,
+  ``native_batch_norm_backward``'s output mask). The op's outputs are made from the real
+  kernel's (what eager runs): a fake of the real output's sizes, strides, dtype and device
+  holding its values, a Python scalar as itself (``propagation_rebuilt``, info). For ops whose
+  outputs are new tensors (no alias in the schema's returns); a view or in-place op keeps its
+  fake outputs, given the real kernel's values, where they agree in sizes, dtype and device.
+  Upstream's mutation check of custom ops, which refuses every ``None`` given to a ``Tensor?``
+  argument, is recognised and treated the same way.
+
+Everything here acts only in modes that propagate real values and have no ShapeEnv: torch.compile,
+export and the other tracers keep upstream's behaviour exactly. ``FAKEGRAD_PROPAGATION=upstream``
+(``configure(propagation="upstream")``) turns it off.
+
+This module owns the one wrapper of ``FakeTensorMode.dispatch`` (a :class:`_sites.Site`: in place
+only while a propagating user mode lives or write-back is on) and calls the write-back watch
+(:mod:`._writeback`) around every op: the outermost op of a mode per thread is one
+:class:`_writeback.Frame`, shared by both.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import torch
+
+from .. import trace
+from . import sites as _sites
+from . import targets as _targets
+from .writeback import Frame, WriteBack, _op_arguments, _private_copy, _storage, _written_tensors
+
+
+class Propagation:
+    """One installation's dispatch wrapper: the write-back watch and the propagation repairs."""
+
+    def __init__(self, resolved: Any, applied: Any, write_back: WriteBack) -> None:
+        self._r = resolved
+        self._applied = applied
+        self._wb = write_back
+        self._is_fake = resolved.is_fake
+        #: per thread: ``stack``, the outermost op of each mode being dispatched (Frames)
+        self.tls = threading.local()
+        self._lock = threading.Lock()
+        #: ``FakeTensorMode.dispatch`` wrapped while needed (reports; write-back; repairs)
+        self.observing = False
+        #: the repairs are on (``propagation="repair"``, the default)
+        self.repair = True
+        self._sites: list[_sites.Site] = []
+        self._policy = False
+        # resolved once: every optional touch point may be absent on a build
+        self._refusals: tuple[type[BaseException], ...] = tuple(
+            cls
+            for cls in (
+                _targets._resolve_optional(_targets.DYNAMIC_OUTPUT_SHAPE),
+                _targets._resolve_optional(_targets.DATA_DEPENDENT_OUTPUT),
+                _targets._resolve_optional(_targets.UNSUPPORTED_OPERATOR),
+                _targets._resolve_optional(_targets.METADATA_MISMATCH_ERROR),
+            )
+            if isinstance(cls, type) and issubclass(cls, BaseException)
+        )
+        self._from_meta = _targets._resolve_optional(_targets.FROM_META_AND_DEVICE)
+        self._can_read_frames = (
+            _targets._resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT) is not None
+        )
+        #: repairs made in this process, by kind (tests, ``status()``)
+        self.counts: dict[str, int] = {}
+        write_back.attach(self)
+
+    # -- on / off --------------------------------------------------------------------------------
+
+    def observe(self) -> bool:
+        """Watch the ops of propagating user modes (idempotent, thread-safe): from now on
+        ``FakeTensorMode.dispatch`` (and the fallback kernel) are wrapped while such a mode lives
+        or write-back is on, and are torch's own functions otherwise (issue 28: a plain mode, a
+        tracer's, pays nothing per op). False where ``dispatch`` is missing."""
+        if self.observing:
+            return True
+        import wrapt
+
+        with self._lock:
+            if self.observing:
+                return True
+            cls = self._r.fake_mode_cls
+            name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
+            original = cls.__dict__.get(name)
+            if _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH) is None or not callable(
+                original
+            ):
+                return False
+            sites = [
+                _sites.Site(
+                    cls,
+                    name,
+                    wrapt.FunctionWrapper(original, self.dispatch),
+                    original,
+                    registry=_sites.user_modes,
+                    lost="in-place updates of real tensors inside the mode are not watched",
+                )
+            ]
+            module = self._r.fake_tensor_module
+            fallback = module.__dict__.get("run_fallback_kernel")
+            if self._can_read_frames and callable(fallback):
+                sites.append(
+                    _sites.Site(
+                        module,
+                        "run_fallback_kernel",
+                        wrapt.FunctionWrapper(fallback, self._fallback),
+                        fallback,
+                        registry=_sites.user_modes,
+                        lost="ops without a meta kernel keep the zeros' values",
+                    )
+                )
+            for site in sites:
+                site.set_policy(self._policy)
+                # before ``observing``: a thread that finds it set finds the wrapper in place
+                # when a mode needs it (the site's own lock never blocks)
+                site.start()
+            self._sites = sites
+            self.observing = True
+        return True
+
+    def set_policy(self, explicit: bool) -> None:
+        """Wrapped whether or not a mode lives (write-back on)."""
+        self._policy = explicit
+        for site in self._sites:
+            site.set_policy(explicit)
+
+    def remove(self) -> None:
+        """``uninstall()``: torch's functions back."""
+        with self._lock:
+            if not self.observing:
+                return
+            self.observing = False
+            sites, self._sites = self._sites, []
+        for site in sites:
+            site.close()  # torch's back, unless somebody wrapped over ours (warned)
+
+    # -- the dispatch wrapper -------------------------------------------------------------------
+
+    def _stack(self) -> list[Frame]:
+        stack: list[Frame] | None = getattr(self.tls, "stack", None)
+        if stack is None:
+            stack = self.tls.stack = []
+        return stack
+
+    def dispatch(
+        self, wrapped: Any, mode: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if (
+            not self.observing
+            or not getattr(mode, "propagate_real_tensors", False)
+            or getattr(mode, "shape_env", None) is not None
+        ):
+            return wrapped(*args, **kwargs)
+        stack = self._stack()
+        frame = None
+        for item in reversed(stack):
+            if item.mode is mode:
+                frame = item
+                break
+        wb = self._wb
+        try:
+            func = args[0] if args else kwargs["func"]
+            written = wb.written_args(func)
+            op_args, op_kwargs = _op_arguments(args, kwargs)
+        except Exception as exc:  # never break the host's fake computation
+            self._applied.internal_error("dispatch", exc)
+            return wrapped(*args, **kwargs)
+        if frame is None:
+            frame = Frame(mode, (op_args, op_kwargs))
+            if written:
+                self._guarded(wb.enter, frame, written)
+            stack.append(frame)
+            ok = False
+            result = None
+            try:
+                result = self._call(wrapped, args, kwargs, mode, func, frame.op)
+                ok = True
+                return result
+            except Exception as exc:
+                _name_the_op(exc, func)
+                raise
+            finally:
+                stack.pop()
+                if frame.swaps:
+                    self._guarded(self._unshadow, frame)
+                self._guarded(wb.returned, frame, func, result, ok)
+        frame.depth += 1
+        try:
+            if written:
+                # the watch first: it reads where the written arguments' values are before the
+                # shadow replaces them
+                self._guarded(wb.nested_write, frame, func, written, op_args, op_kwargs)
+                if self.repair or wb.enabled:  # write-back needs it whatever the setting
+                    self._guarded(self._shadow, frame, func, written, op_args, op_kwargs)
+            return self._call(wrapped, args, kwargs, mode, func, (op_args, op_kwargs))
+        finally:
+            frame.depth -= 1
+
+    def _guarded(self, method: Any, *args: Any) -> None:
+        try:
+            method(*args)
+        except Exception as exc:  # never break the host's fake computation
+            self._applied.internal_error("dispatch", exc)
+
+    def _call(self, wrapped: Any, args: Any, kwargs: Any, mode: Any, func: Any, op: Any) -> Any:
+        """Upstream's dispatch; a fake kernel that refuses after the real kernel ran gives way
+        to the real kernel's outputs."""
+        try:
+            return wrapped(*args, **kwargs)
+        except self._refusals as exc:
+            if not self.repair:
+                raise
+            result = self._recover(exc, mode, func)
+            if result is _targets.NO_REAL_OUT:
+                self._applied._mismatch.report(exc)  # a metadata mismatch, said plainly
+                raise
+            return result
+        except RuntimeError as exc:
+            if not self.repair or not _false_mutation(exc, func, op):
+                raise
+            result = self._recover(exc, mode, func)
+            if result is _targets.NO_REAL_OUT:
+                raise
+            return result
+
+    def _recover(self, exc: BaseException, mode: Any, func: Any) -> Any:
+        """The op's outputs after its fake side refused: made from the real kernel's (new
+        tensors), or the fake kernel's with the real kernel's values (a view or an in-place
+        op whose fake outputs agree in sizes, dtype and device); ``NO_REAL_OUT`` when neither
+        is possible (upstream's error stands)."""
+        tb = exc.__traceback__
+        real_out = _targets.raised_real_out(tb, mode)
+        if real_out is _targets.NO_REAL_OUT:
+            return real_out
+        kept = "real"
+        try:
+            if _fresh_outputs(func):
+                result = self._from_real(mode, real_out)
+            else:
+                fake_out = _targets.raised_fake_out(tb)
+                if fake_out is _targets.NO_REAL_OUT:
+                    return fake_out
+                result = self._with_values(fake_out, real_out)
+                kept = "fake"
+        except _CannotRebuild:
+            return _targets.NO_REAL_OUT
+        self._count("rebuilt")
+        if trace.enabled(trace.INFO):
+            trace.emit(
+                "propagation_rebuilt",
+                trace.INFO,
+                op=str(func),
+                reason=type(exc).__name__,
+                cause=_first_line(exc),
+                outputs=kept,
+            )
+        return result
+
+    def _with_values(self, fake_out: Any, real_out: Any) -> Any:
+        """``fake_out`` (a view or in-place op's fake outputs) holding ``real_out``'s values,
+        where every pair agrees in sizes, dtype and device."""
+        fakes: list[Any] = []
+        reals: list[Any] = []
+        _pair(fake_out, real_out, fakes, reals)
+        for fake, real in zip(fakes, reals, strict=True):
+            if not (
+                self._is_fake(fake)
+                and isinstance(real, torch.Tensor)
+                and fake.shape == real.shape
+                and fake.dtype == real.dtype
+                and fake.device == real.device
+            ):
+                raise _CannotRebuild
+        with self._r.no_dispatch():
+            for fake, real in zip(fakes, reals, strict=True):
+                fake.real_tensor = real
+        return fake_out
+
+    # -- outputs made from the real kernel's ------------------------------------------------------
+
+    def _from_real(self, mode: Any, real_out: Any) -> Any:
+        """Fakes of ``mode`` for the real outputs: each over a meta tensor of the real output's
+        sizes, strides, offset and dtype, on its device, holding it as its values; anything
+        else (numbers, None) as it is."""
+        if isinstance(real_out, torch.Tensor):
+            return self._fake_of(mode, real_out)
+        if isinstance(real_out, tuple | list):
+            made = [self._from_real(mode, item) for item in real_out]
+            if hasattr(real_out, "_fields"):  # a named tuple (torch.return_types)
+                return type(real_out)(*made)
+            return type(real_out)(made)
+        return real_out
+
+    def _fake_of(self, mode: Any, real: Any) -> Any:
+        if (
+            self._from_meta is None
+            or type(real) is not torch.Tensor
+            or real.layout != torch.strided
+            or self._is_fake(real)
+        ):
+            raise _CannotRebuild
+        with self._r.no_dispatch():
+            extent = _extent(real)
+            meta = torch.empty(extent, dtype=real.dtype, device="meta").as_strided(
+                real.shape, real.stride(), real.storage_offset()
+            )
+            fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
+            fake.real_tensor = real
+        return fake
+
+    # -- the fallback kernel -------------------------------------------------------------------
+
+    def _fallback(self, wrapped: Any, _instance: Any, args: Any, kwargs: Any) -> Any:
+        """``run_fallback_kernel``: the real kernel ran on zeros; its outputs get the values of
+        the real kernel run on the op's real values (``real_out``), or none."""
+        result = wrapped(*args, **kwargs)
+        mode = args[0] if args else kwargs.get("fake_mode")
+        if (
+            not self.repair
+            or not getattr(mode, "propagate_real_tensors", False)
+            or getattr(mode, "shape_env", None) is not None
+        ):
+            return result
+        try:
+            real_out = _targets.running_real_out(mode)
+            repaired = self._refill(mode, result, real_out)
+        except Exception as exc:  # never break the host's fake computation
+            self._applied.internal_error("fallback", exc)
+            return result
+        func = args[1] if len(args) > 1 else kwargs.get("func")
+        self._count("fallback_kernel")
+        if trace.enabled(trace.INFO):
+            trace.emit(
+                "propagation_repaired",
+                trace.INFO,
+                op=str(func),
+                repair="fallback_kernel",
+                values="real kernel" if real_out is not _targets.NO_REAL_OUT else "none",
+            )
+        return repaired
+
+    def _refill(self, mode: Any, fake_out: Any, real_out: Any) -> Any:
+        """``fake_out`` with the values of ``real_out`` (the same structure): a fake whose
+        metadata agrees takes the real output as its values; one that does not is made again
+        from it; with no real output, fakes lose the zeros' values (no values: reported)."""
+        if self._is_fake(fake_out):
+            if real_out is _targets.NO_REAL_OUT or not isinstance(real_out, torch.Tensor):
+                with self._r.no_dispatch():
+                    fake_out.real_tensor = None
+                return fake_out
+            if _same_metadata(fake_out, real_out):
+                with self._r.no_dispatch():
+                    fake_out.real_tensor = real_out
+                return fake_out
+            return self._fake_of(mode, real_out)
+        if isinstance(fake_out, tuple | list):
+            reals = (
+                real_out
+                if isinstance(real_out, tuple | list) and len(real_out) == len(fake_out)
+                else [_targets.NO_REAL_OUT] * len(fake_out)
+            )
+            made = [self._refill(mode, f, r) for f, r in zip(fake_out, reals, strict=True)]
+            if hasattr(fake_out, "_fields"):
+                return type(fake_out)(*made)
+            return type(fake_out)(made)
+        return fake_out
+
+    # -- nested writes ------------------------------------------------------------------------
+
+    def _shadow(self, frame: Frame, func: Any, written: Any, op_args: Any, op_kwargs: Any) -> None:
+        """A nested op (a decomposition or meta implementation that FakeTensorMode runs under
+        the mode) writes an argument of the outer op. FakeTensorMode runs the nested op for real
+        too: when the outer op already ran for real, that applies its update a second time
+        (``index_add_`` into ``index_put_``; ``native_batch_norm``'s running statistics). Then
+        the nested op gets a shadow copy until the outer op returns. When the outer op did not
+        run for real, the nested op is the only one that updates: it writes the values once."""
+        if not frame.scanned:
+            self._wb.scan(frame)
+        if not frame.arguments or not frame.real_ok:
+            return
+        no_dispatch = self._r.no_dispatch
+        for t in _written_tensors(written, op_args, op_kwargs):
+            if not self._is_fake(t):
+                continue
+            real = t.real_tensor
+            ptr = _storage(real)
+            if ptr is None or ptr not in frame.arguments:
+                continue
+            with no_dispatch(), torch.no_grad():
+                shadow = _private_copy(real)
+                t.real_tensor = shadow
+            frame.swaps.append((t, real, shadow))
+            self._count("nested_write")
+            if trace.enabled(trace.INFO):
+                trace.emit(
+                    "propagation_repaired",
+                    trace.INFO,
+                    op=str(func),
+                    repair="nested_write",
+                    values="shadow",
+                )
+
+    def _unshadow(self, frame: Frame) -> None:
+        with self._r.no_dispatch():
+            for fake, before, _shadow in reversed(frame.swaps):
+                fake.real_tensor = before
+
+    def _count(self, kind: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1  # a statistic: races are harmless
+
+
+class _CannotRebuild(Exception):
+    """An output the patch cannot make a fake of (sparse, a subclass): upstream's error stands."""
+
+
+_FRESH: dict[Any, bool] = {}
+
+
+def _fresh_outputs(func: Any) -> bool:
+    """Does every return of ``func``'s schema make a new tensor (no alias annotation)? Views,
+    in-place and ``out=`` ops keep upstream's semantics."""
+    fresh = _FRESH.get(func)
+    if fresh is None:
+        schema = getattr(func, "_schema", None)
+        returns = getattr(schema, "returns", None)
+        fresh = returns is not None and all(r.alias_info is None for r in returns)
+        _FRESH[func] = fresh
+    return fresh
+
+
+def _pair(fake: Any, real: Any, fakes: list[Any], reals: list[Any]) -> None:
+    """The tensors of two outputs of the same structure, side by side."""
+    if isinstance(fake, tuple | list):
+        if not isinstance(real, tuple | list) or len(real) != len(fake):
+            raise _CannotRebuild
+        for f, r in zip(fake, real, strict=True):
+            _pair(f, r, fakes, reals)
+    elif isinstance(fake, torch.Tensor):
+        fakes.append(fake)
+        reals.append(real)
+
+
+_MUTATION = re.compile(
+    r"for argument '(\w+)': the operator's schema .* specified that the operator does not mutate"
+)
+
+
+def _false_mutation(exc: BaseException, func: Any, op: Any) -> bool:
+    """Upstream's mutation check of a custom op (``torch._library.utils.MutationChecker``, run
+    on the real kernel's arguments under propagation) compares a ``None`` optional argument's
+    "not mutated" with ``None`` and refuses every call that passes ``None`` for a ``Tensor?``
+    argument (2.13.0, 2.14.1: ``linear_cross_entropy``'s chunked kernels without a bias). A
+    refusal naming an argument that is ``None`` is that defect, not a mutation."""
+    found = _MUTATION.search(str(exc))
+    if found is None:
+        return False
+    name = found.group(1)
+    op_args, op_kwargs = op
+    for index, argument in enumerate(getattr(getattr(func, "_schema", None), "arguments", ())):
+        if argument.name == name:
+            if index < len(op_args):
+                return op_args[index] is None
+            return op_kwargs.get(name) is None
+    return False
+
+
+def _same_metadata(fake: Any, real: Any) -> bool:
+    return (
+        fake.shape == real.shape
+        and fake.dtype == real.dtype
+        and fake.device == real.device
+        and fake.layout == real.layout
+        and (real.layout != torch.strided or fake.stride() == real.stride())
+    )
+
+
+def _extent(t: Any) -> int:
+    """Elements of storage a strided tensor reaches (offset included)."""
+    if t.numel() == 0:
+        return t.storage_offset()
+    return (
+        t.storage_offset()
+        + 1
+        + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if n)
+    )
+
+
+def _name_the_op(exc: BaseException, func: Any) -> None:
+    """An error out of a propagating mode's op names the op (Python 3.11+: a note), once."""
+    add_note = getattr(exc, "add_note", None)
+    if add_note is None:
+        return
+    note = f"fakegrad_patch: raised by {func} under a propagating FakeTensorMode"
+    if note not in (getattr(exc, "__notes__", None) or ()):
+        add_note(note)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "reason", "") or exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__

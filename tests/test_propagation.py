@@ -1,0 +1,457 @@
+"""Issue 39: what the patch does to real-value propagation itself, one section per family. Every
+test compares with eager PyTorch (same values, no fake mode). The families, found by the operator
+sweep (tests/opinfo_sweep.py):
+
+1. real gradients reaching a real leaf while a fake mode is on the stack (a real ``grad_tensors``
+   passed on unchanged, a real root, ``backward()`` of a real scalar inside the block);
+2. in-place ops that FakeTensorMode decomposes: the update applied once (``index_add_``, the
+   backward of an overlapping ``as_strided``, ``stft``);
+3. ops without a meta kernel (the unsafe fallback kernel): the real kernel's values, or none;
+4. data-dependent ops in a propagating mode without a ShapeEnv: the real kernel's shapes and
+   scalars (``nonzero``, ``masked_select``, mask reads, ``unique``, ``.item()``, ...);
+5. fake kernels that disagree with the real kernel: the outputs made from the real kernel's
+   (custom ops whose fake kernel is wrong on purpose, ``nn.LSTM`` on CPU);
+6. what stays upstream's: modes with a ShapeEnv, ``propagation="upstream"``.
+
+The ones that fail on upstream torch are listed in test_can_fail.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._subclasses.fake_tensor as fake_tensor_module
+from _helpers import fake_mode, is_real
+from test_trace import check_schema
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+import fakegrad_patch
+from fakegrad_patch import FakeGradPatchWarning, trace
+
+pytestmark = pytest.mark.usefixtures("propagate")
+
+
+@pytest.fixture(autouse=True)
+def _collect() -> Iterator[None]:
+    """Refused ops' tracebacks hold their modes in reference cycles."""
+    yield
+    gc.collect()
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """What a fake tensor really holds (or a real tensor itself)."""
+    if isinstance(t, FakeTensor):
+        assert t.real_tensor is not None, "no real values"
+        return t.real_tensor
+    return t
+
+
+def _events(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    found = [e for e in events if e["event"] == name]
+    for event in found:
+        check_schema(event)
+    return found
+
+
+# -- 1. real gradients under a fake mode -----------------------------------------------------------
+
+#: ops whose backward hands the incoming gradient on unchanged to the leaf
+IDENTITY_BACKWARD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "itself": lambda x: x,
+    "contiguous": lambda x: x.contiguous(),
+    "flatten": lambda x: x.flatten(),
+    "dropout_p0": lambda x: nn.functional.dropout(x, 0.0),
+    "add_real": lambda x: x + torch.ones(3),
+    "positive": lambda x: +x,
+}
+
+
+@pytest.mark.parametrize("op", IDENTITY_BACKWARD)
+@pytest.mark.parametrize("prior", [False, True], ids=["first", "accumulate"])
+def test_a_real_gradient_inside_the_block_is_written_as_in_eager(op: str, prior: bool) -> None:
+    """Upstream: AccumulateGrad clones (or adds into) the real gradient with the fake mode in
+    thread-local state: a FakeTensor ``.grad`` (or an accumulation into a fake copy, lost)."""
+    f = IDENTITY_BACKWARD[op]
+    x = torch.randn(3, requires_grad=True)
+    ref = x.detach().clone().requires_grad_(True)
+    if prior:
+        x.grad = torch.full((3,), 2.0)
+        ref.grad = torch.full((3,), 2.0)
+    before = x.grad
+    g = torch.arange(3.0)
+    with fake_mode():
+        f(x).backward(g)
+    f(ref).backward(g)
+    assert is_real(x.grad)
+    torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
+    if prior:
+        assert x.grad is before  # accumulated in place, as AccumulateGrad does
+    assert x.grad.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+
+
+def test_real_scalar_root_inside_the_block() -> None:
+    """``z.backward()`` of a real scalar: torch makes the gradient (``ones_like``) under the
+    fake mode: a fake one, with real values."""
+    z = torch.tensor(3.0, requires_grad=True)
+    with fake_mode():
+        z.backward()
+        (z * 2).backward()
+    assert is_real(z.grad)
+    assert z.grad.item() == 3.0
+
+
+def test_one_real_gradient_into_two_leaves() -> None:
+    x, y = (torch.randn((), requires_grad=True) for _ in range(2))
+    with fake_mode():
+        (x + y).backward(torch.tensor(2.0))
+    assert is_real(x.grad) and is_real(y.grad)
+    assert x.grad.item() == 2.0 and y.grad.item() == 2.0
+    assert x.grad.untyped_storage().data_ptr() != y.grad.untyped_storage().data_ptr()
+
+
+def test_a_real_backward_outside_any_mode_is_left_to_autograd() -> None:
+    x = torch.randn(3, requires_grad=True)
+    g = torch.ones(3)
+    with trace.capture(trace.DEBUG) as events:
+        x.backward(g)
+    assert x.grad is not None and torch.equal(x.grad, g)
+    assert not [e for e in events if e["event"].startswith(("leaf_armed", "fake_grad"))]
+
+
+# -- 2. in-place ops that FakeTensorMode decomposes ------------------------------------------------
+
+_IDX = torch.tensor([0, 1, 1, 3])
+
+#: in-place ops with a Python decomposition that FakeTensorMode runs under the mode (its nested
+#: in-place ops run for real too), and their neighbours that are right upstream
+INPLACE: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    "index_add_": lambda z, s: z.index_add_(0, _IDX, s),
+    "index_add_alpha": lambda z, s: z.index_add_(0, _IDX, s, alpha=-2.0),
+    "index_add_2d": lambda z, s: z.view(5, 1).index_add_(0, _IDX, s.view(4, 1)),
+    "index_put_accumulate": lambda z, s: z.index_put_((_IDX,), s, accumulate=True),
+    "scatter_add_": lambda z, s: z.scatter_add_(0, _IDX, s),
+    "index_copy_": lambda z, s: z.index_copy_(0, torch.tensor([4, 2]), s[:2]),
+    "view_index_add_": lambda z, s: z[1:].index_add_(0, _IDX[:3], s[:3]),
+}
+
+
+@pytest.mark.parametrize("op", INPLACE)
+def test_a_decomposed_in_place_op_updates_the_values_once(op: str) -> None:
+    f = INPLACE[op]
+    torch.manual_seed(0)
+    base, src = torch.randn(5), torch.randn(4)
+    want = base.clone()
+    f(want, src)
+    with fake_mode():
+        z = base * 1  # a fake intermediate with propagated values
+        f(z, src)
+        got = _values(z).clone()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [((13, 16), (4, 1), 64), ((5, 5), (1, 1), 9), ((3, 4), (2, 1), 12), ((4, 4), (4, 1), 16)],
+    ids=["stft_frames", "diagonal_bands", "half_overlap", "no_overlap"],
+)
+def test_overlapping_as_strided_backward_gives_eager_gradients(geometry: Any) -> None:
+    """as_strided's backward over an overlapping geometry sums the overlaps with ``index_add_``
+    (decomposed): upstream's propagated gradient was 708 off for stft's frames."""
+    size, stride, n = geometry
+    torch.manual_seed(0)
+    x = torch.randn(n, requires_grad=True)
+    w = torch.randn(size)
+    ref = x.detach().clone().requires_grad_(True)
+    with fake_mode():
+        x.as_strided(size, stride).mul(w).sum().backward()
+    ref.as_strided(size, stride).mul(w).sum().backward()
+    assert is_real(x.grad)
+    torch.testing.assert_close(x.grad, ref.grad)
+
+
+def test_stft_gradient_is_eager() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, requires_grad=True)
+    ref = x.detach().clone().requires_grad_(True)
+    window = torch.hann_window(16)
+    with fake_mode():
+        torch.stft(x, 16, 4, window=window, return_complex=True).abs().sum().backward()
+    torch.stft(ref, 16, 4, window=window, return_complex=True).abs().sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+
+
+def test_the_repair_is_traced() -> None:
+    with trace.capture(trace.INFO) as events, fake_mode():
+        z = torch.zeros(5) * 1
+        z.index_add_(0, _IDX, torch.ones(4))
+    repaired = _events(events, "propagation_repaired")
+    assert [(e["op"], e["repair"], e["values"]) for e in repaired] == [
+        ("aten.index_put_.default", "nested_write", "shadow")
+    ]
+
+
+# -- 3. ops without a meta kernel: the unsafe fallback ---------------------------------------------
+
+
+@functools.cache
+def _fallback_ops() -> dict[str, Any]:
+    """Two ops in a namespace FakeTensorMode's fallback allows (``vision``, as torchvision's):
+    one whose meta kernel raises NotImplementedError (upstream returns the zeros' result without
+    propagating), one without any (upstream propagates)."""
+    lib = torch.library.Library("vision", "FRAGMENT")
+    lib.define("fakegrad_affine_nometa(Tensor x) -> Tensor")
+    lib.define("fakegrad_affine_raises(Tensor x) -> Tensor")
+    for name in ("fakegrad_affine_nometa", "fakegrad_affine_raises"):
+        lib.impl(name, lambda x: x * 2 + 1, "CPU")
+
+    def meta(x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("no meta kernel")
+
+    lib.impl("fakegrad_affine_raises", meta, "Meta")
+    _fallback_ops.lib = lib  # type: ignore[attr-defined]
+    return {
+        "meta_raises": torch.ops.vision.fakegrad_affine_raises.default,
+        "no_meta": torch.ops.vision.fakegrad_affine_nometa.default,
+    }
+
+
+@pytest.mark.parametrize("which", ["meta_raises", "no_meta"])
+def test_an_op_without_a_meta_kernel_gets_the_real_kernels_values(which: str) -> None:
+    op = _fallback_ops()[which]
+    x = torch.arange(4.0)
+    w = torch.randn(4, requires_grad=True)
+    ref = w.detach().clone().requires_grad_(True)
+    with fake_mode():
+        y = op(x)
+        values = _values(y).clone()
+        (y * w).sum().backward()
+    (op(x) * ref).sum().backward()
+    torch.testing.assert_close(values, x * 2 + 1)
+    torch.testing.assert_close(w.grad, ref.grad, rtol=0, atol=0)
+
+
+def test_an_op_without_a_meta_kernel_and_without_values_is_reported() -> None:
+    """An input with no real values (upstream runs no real kernel then): the fallback's
+    zeros-values are not copied; the gradient that depends on them is reported (on_missing),
+    never written from the zeros."""
+    op = _fallback_ops()["meta_raises"]
+    w = torch.randn(4, requires_grad=True)
+    before = w.grad
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fakegrad_patch._core.state.WARNED.discard("drop")
+        with fake_mode():
+            x = torch.arange(4.0) * 1
+            x.real_tensor = None  # values lost (as for an op whose real kernel could not run)
+            y = op(x)
+            assert y.real_tensor is None
+            (y * w).sum().backward()
+    assert w.grad is before
+    assert any(issubclass(c.category, FakeGradPatchWarning) for c in caught)
+
+
+def test_the_fallback_repair_is_traced() -> None:
+    op = _fallback_ops()["meta_raises"]
+    with trace.capture(trace.INFO) as events, fake_mode():
+        op(torch.arange(4.0))
+    repaired = _events(events, "propagation_repaired")
+    assert [(e["repair"], e["values"]) for e in repaired] == [("fallback_kernel", "real kernel")]
+    assert repaired[0]["op"] == "vision.fakegrad_affine_raises.default"
+
+
+# -- 4. data-dependent ops -------------------------------------------------------------------------
+
+_MASK = torch.tensor([True, False, True, True, False, False])
+#: made outside the mode: real tensors it converts (not constants it could read)
+_SECTIONS = torch.tensor(3)
+_FILL = torch.tensor([1, 1, 3])
+_ROWS = torch.tensor([True, False])
+
+
+def _computed(values: list[int]) -> torch.Tensor:
+    """An integer tensor computed by an op (inside the mode: a fake with propagated values, not
+    a constant FakeTensorMode could read)."""
+    return torch.tensor(values) + torch.zeros(len(values), dtype=torch.long).abs()
+
+
+#: forward -> a scalar loss, from a leaf x of shape (6,)
+DATA_DEPENDENT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "masked_select": lambda x: torch.masked_select(x * 2, _MASK).pow(2).sum(),
+    "mask_read": lambda x: (x * 2)[_MASK].pow(2).sum(),
+    "nonzero_read": lambda x: (x * 2)[torch.nonzero(_MASK).squeeze(1)].pow(2).sum(),
+    "index_put_mask": lambda x: (x.view(2, 3) * 1).index_put((_ROWS,), x[:3] * 3).pow(2).sum(),
+    "repeat_interleave": lambda x: (
+        torch.repeat_interleave(x, torch.tensor([1, 2, 0, 1, 3, 1])).pow(2).sum()
+    ),
+    "unique_count": lambda x: x.pow(2).sum() * torch.unique(torch.tensor([1, 2, 2, 5])).numel(),
+    "item": lambda x: x.pow(2).sum() * (x * 1).sum().item(),
+    "bool": lambda x: x.pow(2).sum() if bool((x * 1).sum() > -100) else x.sum(),
+    "equal": lambda x: x.pow(2).sum() * (2.0 if torch.equal(x * 1, x * 1) else 3.0),
+    "narrow_tensor": lambda x: (x * 2).narrow(0, _computed([1]).squeeze(), 3).pow(2).sum(),
+    "tensor_split": lambda x: (x * 2).tensor_split(_SECTIONS)[1].pow(2).sum(),
+    "index_fill": lambda x: (x * 1).index_fill(0, _FILL, x[0] * 1).pow(2).sum(),
+    "gaussian_nll_loss": lambda x: nn.functional.gaussian_nll_loss(
+        x * 1, torch.zeros(6), torch.ones(6)
+    ),
+    "cov": lambda x: torch.cov(torch.stack([x, x.flip(0)])).sum(),
+    "corrcoef": lambda x: torch.corrcoef(torch.stack([x, x.flip(0) * 2])).sum(),
+    "tolist": lambda x: x.pow(2).sum() * sum((x * 1).tolist()),
+}
+
+
+@pytest.mark.parametrize("op", DATA_DEPENDENT)
+def test_a_data_dependent_op_gives_eager_values_and_gradients(op: str) -> None:
+    f = DATA_DEPENDENT[op]
+    torch.manual_seed(0)
+    x = torch.randn(6, requires_grad=True)
+    ref = x.detach().clone().requires_grad_(True)
+    with trace.capture(trace.INFO) as events, fake_mode():
+        loss = f(x)
+        value = _values(loss).clone()
+        loss.backward()
+    want = f(ref)
+    want.backward()
+    torch.testing.assert_close(value, want.detach())
+    assert is_real(x.grad)
+    torch.testing.assert_close(x.grad, ref.grad)
+    # where this build's fake kernels refuse (most ops, every build; tensor_split's 0-dim
+    # sections only before 2.14): made from the real kernel's outputs
+    assert {e["outputs"] for e in _events(events, "propagation_rebuilt")} <= {"real"}
+
+
+def test_nonzero_shape_and_values_come_from_the_real_kernel() -> None:
+    with fake_mode():
+        nz = torch.nonzero(torch.tensor([0, 3, 0, 4]) * 1)
+        assert isinstance(nz, FakeTensor) and nz.shape == (2, 1)
+        assert nz.real_tensor.flatten().tolist() == [1, 3]
+        assert (torch.tensor([0, 3, 0, 4]) * 1).sum().item() == 7
+
+
+# -- 5. fake kernels that disagree with the real kernel --------------------------------------------
+
+
+def _wrong_fake_ops() -> dict[str, Any]:
+    """Custom ops whose fake kernel is wrong on purpose, one per way an output can disagree."""
+    return _make_wrong_fake_ops()
+
+
+@functools.cache
+def _make_wrong_fake_ops() -> dict[str, Any]:
+    ops: dict[str, Any] = {}
+
+    def define(name: str, real: Callable[..., Any], fake: Callable[..., Any]) -> None:
+        op = torch.library.custom_op(f"fakegrad_test::{name}", mutates_args=())(real)
+        op.register_fake(fake)
+        ops[name] = op
+
+    def affine(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    define("wrong_shape", affine, lambda x: x.new_empty(x.shape[0] + 1))
+    define("wrong_dtype", affine, lambda x: x.new_empty(x.shape, dtype=torch.float64))
+    define("wrong_device", affine, lambda x: torch.empty(x.shape, device="meta"))
+
+    def two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2 + 1, x.sum().reshape(1)
+
+    define("wrong_second_output", two, lambda x: (torch.empty_like(x), x.new_empty(0)))
+    return ops
+
+
+WRONG_FAKES = ["wrong_shape", "wrong_dtype", "wrong_device", "wrong_second_output"]
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("name", WRONG_FAKES)
+def test_a_wrong_fake_kernel_gives_way_to_the_real_kernels_outputs(name: str) -> None:
+    op = _wrong_fake_ops()[name]
+    torch.manual_seed(0)
+    x = torch.randn(4)
+    w = torch.randn(4, requires_grad=True)
+    ref = w.detach().clone().requires_grad_(True)
+    with trace.capture(trace.INFO) as events, fake_mode():
+        out = _first(op(x))
+        assert out.shape == (4,) and out.dtype == torch.float32 and out.device.type == "cpu"
+        (out * w).sum().backward()
+    (_first(op(x)) * ref).sum().backward()
+    torch.testing.assert_close(w.grad, ref.grad, rtol=0, atol=0)
+    rebuilt = _events(events, "propagation_rebuilt")
+    assert [e["op"] for e in rebuilt] == [f"fakegrad_test.{name}.default"], events
+    assert rebuilt[0]["reason"] == "MetadataMismatchError"
+    assert not _events(events, "propagation_mismatch")
+
+
+@pytest.mark.parametrize("setting", ["upstream", "shape_env"])
+def test_where_the_repair_is_off_or_a_tracer_owns_the_mode_upstream_refuses(setting: str) -> None:
+    """``propagation="upstream"``, or a mode with a ShapeEnv (torch.compile's, export's):
+    upstream's refusal, said plainly (``propagation_mismatch``)."""
+    error = getattr(fake_tensor_module, "MetadataMismatchError", None)
+    if error is None:
+        pytest.skip("this build's propagation checks no fake kernel")
+    op = _wrong_fake_ops()["wrong_shape"]
+    if setting == "upstream":
+        fakegrad_patch.configure(propagation="upstream")
+        mode = fake_mode()
+    else:
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    with trace.capture(trace.WARNING) as events, mode, pytest.raises(error):
+        op(torch.randn(4))
+    if setting == "upstream":
+        assert _events(events, "propagation_mismatch")
+
+
+@pytest.mark.parametrize("op", ["nonzero", "item"])
+def test_with_propagation_upstream_data_dependent_ops_refuse(op: str) -> None:
+    fakegrad_patch.configure(propagation="upstream")
+    with fake_mode(), pytest.raises(Exception, match=r"DataDependent|DynamicOutputShape|aten"):
+        y = torch.tensor([0.0, 1.0]) * 1
+        torch.nonzero(y) if op == "nonzero" else y.sum().item()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LSTM(8, 16, num_layers=2, bidirectional=True, batch_first=True),
+        lambda: nn.LSTM(8, 16),
+        lambda: nn.GRU(8, 16, num_layers=2),
+        lambda: nn.RNN(8, 16, nonlinearity="relu"),
+    ],
+    ids=["lstm_2layer_bidirectional", "lstm", "gru", "rnn"],
+)
+def test_recurrent_layers_on_cpu_train_like_eager(make: Callable[[], nn.Module]) -> None:
+    """``nn.LSTM`` on CPU stopped at ``aten.mkldnn_rnn_layer`` (fake output[3] of size 0, real
+    61440, 2.13.0): its outputs now come from the real kernel."""
+    torch.manual_seed(0)
+    model = make()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 3, 8)
+    with fake_mode():
+        model(x)[0].pow(2).sum().backward()
+    reference(x)[0].pow(2).sum().backward()
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        assert is_real(p.grad)
+        torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_an_error_out_of_the_mode_names_the_op() -> None:
+    """What cannot be repaired is raised as upstream raises it, naming the op (a note)."""
+    import sys
+
+    if sys.version_info < (3, 11):
+        pytest.skip("exception notes need Python 3.11")
+    with fake_mode(), pytest.raises(RuntimeError) as info:
+        torch.ones(2, 3) @ torch.ones(2, 3)
+    assert any("aten.mm" in n for n in getattr(info.value, "__notes__", [])), info.value
