@@ -161,41 +161,48 @@ class WriteBack:
             return True
         import wrapt
 
+        # import first, then lock (issue 40): resolving the target may import
+        if _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH) is None:
+            return False
         with self._lock:
             if self.observing:
                 return True
-            cls = self._r.fake_mode_cls
-            name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
-            original = cls.__dict__.get(name)
-            if _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH) is None or not callable(
-                original
-            ):
-                return False
-            site = _sites.Site(
-                cls,
-                name,
-                wrapt.FunctionWrapper(original, self.dispatch),
-                original,
-                registry=_sites.user_modes,
-                lost="in-place updates of real tensors inside the mode are not watched",
-            )
-            site.set_policy(self.enabled)
-            # before ``observing``: a thread that finds it set finds the wrapper in place when a
-            # mode needs it (the site's own lock never blocks, so holding ours here is safe)
-            site.start()
-            self._site = site
-            self.observing = True
+            site = self._site
+            if site is None:
+                cls = self._r.fake_mode_cls
+                name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
+                original = cls.__dict__.get(name)
+                if not callable(original):
+                    return False
+                site = _sites.Site(
+                    cls,
+                    name,
+                    wrapt.FunctionWrapper(original, self.dispatch),
+                    original,
+                    registry=_sites.user_modes,
+                    lost="in-place updates of real tensors inside the mode are not watched",
+                )
+                site.set_policy(self.enabled)
+                self._site = site
+        # Started before ``observing`` is set: a thread that finds it set finds the wrapper in
+        # place when a mode needs it. Outside our lock: starting may warn (somebody replaced
+        # ``dispatch``); a site closed meanwhile (uninstall) stays closed.
+        site.start()
+        with self._lock:
+            if self._site is site:
+                self.observing = True
         return True
 
     def enable(self) -> bool:
         """Write-back on; False (write-back unavailable) when ``dispatch`` is missing."""
         if not self.observe():
             return False
+        register = _step_hook_registrar()  # import first, then lock (issue 40)
         with self._lock:
             if self.enabled:
                 return True
             self.enabled = True
-            self._step_hook = _register_step_hook(self._after_optimizer_step)
+            self._step_hook = register(self._after_optimizer_step) if register else None
         if self._site is not None:
             self._site.set_policy(True)  # wrapped while write-back is on, modes or not
         if trace.enabled(trace.INFO):
@@ -227,10 +234,8 @@ class WriteBack:
         """``uninstall()``: write-back off and ``dispatch`` torch's own again."""
         self.disable()
         with self._lock:
-            if not self.observing:
-                return
             self.observing = False
-            site, self._site = self._site, None
+            site, self._site = self._site, None  # also one that observe() is starting
         if site is not None:
             site.close()  # torch's back, unless somebody wrapped over ours (warned)
 
@@ -717,14 +722,14 @@ class WriteBack:
             self._applied.internal_error("write_back", exc)
 
 
-def _register_step_hook(hook: Any) -> Any:
+def _step_hook_registrar() -> Any:
     """``torch.optim.optimizer.register_optimizer_step_post_hook`` (public; every optimizer),
     or None where absent."""
     try:
         from torch.optim.optimizer import register_optimizer_step_post_hook
     except ImportError:
         return None
-    return register_optimizer_step_post_hook(hook)
+    return register_optimizer_step_post_hook
 
 
 def kind_of(t: Any) -> str:
