@@ -17,6 +17,8 @@ waits for an import lock, the worker is let go, and every thread must finish:
   DDP lock while it resolved FSDP2's targets, i.e. waited for the worker's import, and the
   worker's post-import hook waited for that lock);
 * ``uninstall``: ``uninstall()`` on a third thread while that ``install()`` is under way;
+* ``stress`` (:func:`stress`, tests/test_concurrency.py runs it in process too): threads train
+  while another re-installs the patch, across the first import of ``torch._dynamo``;
 * ``startup``: the process was started with ``FAKEGRAD_PATCH=1`` and the start-up hook (loaded
   from ``HOOK_SOURCE`` and run as ``site`` would) installed the patch when torch was imported:
   its post-import hooks were registered from inside torch's import; then ``uninstall()`` and
@@ -128,9 +130,108 @@ def fail(message: str) -> None:
     os._exit(3)
 
 
+def stress(threads: int = 3, steps: int = 20, timeout_s: float = 60.0) -> dict[str, Any]:
+    """``threads`` threads train (``steps`` steps each, every step under a fresh propagating
+    ``FakeTensorMode``) while another thread re-installs the patch (``uninstall()`` then
+    ``install()`` at once): every 50 ms until the first step ends (a fresh interpreter: while
+    the trainers' first ``FakeTensorMode`` imports ``torch._dynamo``), then after every
+    ``4 * threads`` steps, so that the steps are long against the toggling whatever the
+    machine's load. A step is *wholly installed* when the patch was installed when it started
+    and when it ended, with no ``install()``/``uninstall()`` call in between: its gradients must
+    be real and exact. Any other step may get upstream's (fake) gradients or none (on a D2
+    build a forward that straddled ``uninstall()`` is refused), never a wrong real one. Returns
+    the counts; a thread still running after ``timeout_s`` fails (stacks dumped, exit 3)
+    instead of hanging."""
+    import copy
+
+    import torch
+    import torch._functorch.config as functorch_config
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    import fakegrad_patch
+
+    template = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    with torch.no_grad():  # the same values in every process and thread (no global RNG)
+        for i, p in enumerate(template.parameters()):
+            p.copy_(torch.linspace(-1.0, 1.0, p.numel()).reshape(p.shape) * (0.5 + 0.1 * i))
+    x = torch.linspace(-2.0, 2.0, 8 * 8).reshape(8, 8)
+    reference = copy.deepcopy(template)
+    reference(x).sum().backward()
+    expected = [p.grad for p in reference.parameters()]
+
+    epoch = [0]  # bumped before every install()/uninstall() call
+    stop = threading.Event()
+    counts = {"steps": 0, "wholly_installed": 0, "real": 0, "fake": 0, "none": 0, "toggles": 0}
+    problems: list[str] = []
+    lock = threading.Lock()
+
+    def toggler() -> None:
+        last = 0
+        while not stop.wait(0.05):
+            done = counts["steps"]
+            if done and done - last < 4 * threads:
+                continue
+            last = done
+            epoch[0] += 1
+            fakegrad_patch.uninstall()
+            epoch[0] += 1
+            fakegrad_patch.install()
+            counts["toggles"] += 1
+
+    def trainer() -> None:
+        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+            for _ in range(steps):
+                model = copy.deepcopy(template)
+                before, on = epoch[0], fakegrad_patch.is_installed()
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    model(x).sum().backward()
+                whole = on and fakegrad_patch.is_installed() and epoch[0] == before
+                grads = [p.grad for p in model.parameters()]
+                with lock:
+                    counts["steps"] += 1
+                    counts["wholly_installed"] += whole
+                    for grad, want in zip(grads, expected, strict=True):
+                        if grad is None:
+                            counts["none"] += 1
+                        elif isinstance(grad, FakeTensor):
+                            counts["fake"] += 1
+                        else:
+                            counts["real"] += 1
+                            if not torch.allclose(grad, want, rtol=1e-5, atol=1e-5):
+                                problems.append("a real gradient with wrong values")
+                        if whole and (grad is None or isinstance(grad, FakeTensor)):
+                            problems.append(f"a wholly installed step got {type(grad).__name__}")
+
+    errors: list[str] = []
+    toggling = run(toggler, errors)
+    training = [run(trainer, errors) for _ in range(threads)]
+    deadline = time.monotonic() + timeout_s
+    for thread in training:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stop.set()
+    toggling.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in (*training, toggling)):
+        fail(f"threads still running after {timeout_s:.0f} s: {counts}")
+    fakegrad_patch.install()
+    return {**counts, "problems": sorted(set(problems)), "errors": errors}
+
+
 def main() -> None:
     scenario = sys.argv[1]
-    faulthandler.dump_traceback_later(BLOCKED_S + 2 * FINISH_S + 60, exit=True)
+    # the backstop, should a check below hang too: every stack, then exit 1
+    faulthandler.dump_traceback_later(150, exit=True)
+    if scenario == "stress":
+        # across the first-import boundary: torch imported and the patch installed, but no
+        # FakeTensorMode built yet, so each trainer's first step imports torch._dynamo while
+        # install()/uninstall() run on the toggling thread
+        import torch
+
+        import fakegrad_patch
+
+        assert fakegrad_patch.is_installed()
+        first = "torch._dynamo.config" not in sys.modules
+        print(json.dumps({"first_import": first, **stress()}), flush=True)
+        return
     if scenario == "startup":
         os.environ["FAKEGRAD_PATCH"] = "1"
         spec = importlib.util.spec_from_file_location("_fakegrad_patch_startup", sys.argv[2])

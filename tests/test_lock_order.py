@@ -74,3 +74,24 @@ def test_uninstall_while_an_install_waits_for_that_import() -> None:
     assert result["ddp"] == {"installed": False, "fsdp2": False, "modes_seen": 0}, result
     assert result["fsdp_wrapped"] is False, result
     assert result["grad"] == "FakeTensor", result  # upstream's behaviour, uninstalled
+
+
+def test_training_threads_across_the_first_import_while_the_patch_is_reinstalled() -> None:
+    """tests/test_concurrency.py's stress test in a fresh interpreter: each trainer's first
+    ``FakeTensorMode`` imports ``torch._dynamo`` (seconds) while the patch is re-installed every
+    50 ms (the hang of issue 40, 1 run in 4 to 6 before the fix); then every 12 steps."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")}
+    out = subprocess.run(
+        [sys.executable, str(CHILD), "stress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-6000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["first_import"] is True, result
+    assert result["errors"] == [] and result["problems"] == [], result
+    assert result["steps"] == 60 and result["toggles"] >= 2, result
+    assert result["wholly_installed"] > result["steps"] // 2, result
