@@ -63,6 +63,9 @@ from .. import trace
 
 class _State:
     def __init__(self) -> None:
+        #: guards the fields below. Held only to read and publish them and to put wrappers in
+        #: place or take them off: never while importing or resolving a target, never by a
+        #: post-import hook that finds it taken (it defers: ``fsdp_pending``, :func:`_settle`).
         self.lock = threading.Lock()
         #: fake modes in which a DDP forward ran (weak: a finished mode is forgotten)
         self.modes: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -74,6 +77,8 @@ class _State:
         self.warned: set[str] = set()
         self.fsdp_wrapped = False
         self.fsdp_hook_registered = False
+        #: FSDP2's state class, resolved and waiting to be wrapped by whoever holds the lock
+        self.fsdp_pending: type | None = None
 
 
 _state = _State()
@@ -81,35 +86,54 @@ _state = _State()
 
 def install(resolved: Any = None) -> bool:
     """Wrap DDP's forward pieces now and FSDP2's when its module is imported (idempotent).
-    False when DDP is left to upstream."""
+    False when DDP is left to upstream.
+
+    Import first, then lock (issue 40): the targets are resolved (``torch.distributed``, DDP's
+    module: imports) before the lock is taken; under it the wrappers are only put in place."""
     from . import targets as _targets
 
+    if _state.targets is not None:
+        return True
+    try:
+        targets = _targets.resolve_ddp()
+    except _targets.MissingTargetError as exc:
+        _warn_missing(str(exc))
+        return False
+    except Exception as exc:  # never break the host
+        _warn_missing(f"unexpected {type(exc).__name__}: {exc}")
+        return False
+    if targets is None:  # no torch.distributed on this build: nothing to cover
+        return False
+    problem: Exception | None = None
     with _state.lock:
-        if _state.targets is not None:
-            return True
-        try:
-            targets = _targets.resolve_ddp()
-        except _targets.MissingTargetError as exc:
-            _warn_missing(str(exc))
-            return False
-        except Exception as exc:  # never break the host
-            _warn_missing(f"unexpected {type(exc).__name__}: {exc}")
-            return False
-        if targets is None:  # no torch.distributed on this build: nothing to cover
-            return False
-        try:
-            _wrap(targets.ddp_cls, ("_pre_forward", "_post_forward"))
-        except Exception as exc:
-            _unwrap_all()
-            _warn_missing(f"could not wrap DistributedDataParallel: {exc}")
-            return False
-        _state.targets = targets
+        if _state.targets is None:
+            try:
+                _wrap(targets.ddp_cls, ("_pre_forward", "_post_forward"))
+            except Exception as exc:
+                _unwrap_all()
+                problem = exc
+            else:
+                _state.targets = targets
+    _settle()  # what a post-import hook left while the lock was held
+    if problem is not None:
+        _warn_missing(f"could not wrap DistributedDataParallel: {problem}")
+        return False
     if sys.modules.get(_targets.FSDP_STATE_MODULE) is not None:
         _wrap_fsdp()
-    elif not _state.fsdp_hook_registered:
+        return True
+    with _state.lock:
+        register = not _state.fsdp_hook_registered
         _state.fsdp_hook_registered = True
-        wrapt.register_post_import_hook(lambda _m: _wrap_fsdp(), _targets.FSDP_STATE_MODULE)
+    if register:
+        # outside the lock: wrapt calls the hook at once when the module was imported meanwhile
+        wrapt.register_post_import_hook(_on_fsdp_imported, _targets.FSDP_STATE_MODULE)
     return True
+
+
+def _on_fsdp_imported(_module: Any) -> None:
+    """Post-import hook of FSDP2's state module: runs inside that import, holding its import
+    lock (and its parents'). Never waits for our lock (:func:`_wrap_fsdp`)."""
+    _wrap_fsdp()
 
 
 def _wrap(owner: Any, attrs: tuple[str, ...]) -> None:
@@ -123,22 +147,48 @@ def _wrap_fsdp() -> None:
     """FSDP2 (``fully_shard``): its forward pre/post hooks (unshard: all-gather; reshard;
     the pre-backward and post-backward registrations) like DDP's forward pieces. Its hooks are
     bound methods taken when ``fully_shard`` is called, so this must run before: at install when
-    the module is loaded, else when it is imported. Never raises."""
+    the module is loaded, else when it is imported. Never raises, never waits for the lock: the
+    class is resolved first (an import: the caller may wait for another thread's import of the
+    module, holding no lock of ours), then wrapped by whoever holds the lock (:func:`_settle`)."""
     from . import targets as _targets
 
-    with _state.lock:
-        if _state.targets is None or _state.fsdp_wrapped:
+    if _state.targets is None or _state.fsdp_wrapped:
+        return
+    try:
+        state_cls = _targets.resolve_fsdp()
+    except _targets.MissingTargetError as exc:
+        _warn_missing(str(exc), what="FSDP2 (fully_shard)")
+        return
+    except Exception as exc:  # never break the host
+        _warn_missing(f"unexpected {type(exc).__name__}: {exc}", what="FSDP2 (fully_shard)")
+        return
+    _state.fsdp_pending = state_cls
+    _settle()
+
+
+def _settle() -> None:
+    """Wrap a pending FSDP2 class unless another thread holds the lock: that thread settles
+    after releasing it (every holder calls this then), so the work is never lost and nobody
+    waits. Never raises."""
+    while _state.fsdp_pending is not None:
+        if not _state.lock.acquire(blocking=False):
             return
+        problem: Exception | None = None
         try:
-            state_cls = _targets.resolve_fsdp()
-            _wrap(state_cls, ("_pre_forward", "_post_forward"))
-        except _targets.MissingTargetError as exc:
-            _warn_missing(str(exc), what="FSDP2 (fully_shard)")
-            return
-        except Exception as exc:  # never break the host
-            _warn_missing(f"unexpected {type(exc).__name__}: {exc}", what="FSDP2 (fully_shard)")
-            return
-        _state.fsdp_wrapped = True
+            state_cls, _state.fsdp_pending = _state.fsdp_pending, None
+            if state_cls is not None and _state.targets is not None and not _state.fsdp_wrapped:
+                try:
+                    _wrap(state_cls, ("_pre_forward", "_post_forward"))
+                except Exception as exc:  # never break the host
+                    problem = exc
+                else:
+                    _state.fsdp_wrapped = True
+        finally:
+            _state.lock.release()
+        if problem is not None:
+            _warn_missing(
+                f"unexpected {type(problem).__name__}: {problem}", what="FSDP2 (fully_shard)"
+            )
 
 
 def remove() -> None:
@@ -147,8 +197,10 @@ def remove() -> None:
         _unwrap_all()
         _state.targets = None
         _state.fsdp_wrapped = False
+        _state.fsdp_pending = None
         _state.modes = weakref.WeakSet()
         _state.any_mode = False
+    _settle()
 
 
 def _unwrap_all() -> None:

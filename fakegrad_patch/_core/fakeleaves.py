@@ -149,15 +149,18 @@ class FakeLeaves:
     def _arm(self, mirror: _Mirror, source: torch.Tensor, fake: Any) -> None:
         if not (self._is_fake(fake) and fake.requires_grad and fake.grad_fn is None):
             return
+        entry = mirror.armed.get(fake)
+        if entry is not None and entry[1].hooks_dict_ref() is not None:
+            return
+        # torch's work first (the fake leaf's node: an op under forced dispatch keys), then the
+        # lock, only to register the hook once (issue 40)
+        node = self._resolved.grad_accumulator(fake)
+        hook = self._make_prehook(weakref.ref(source), weakref.ref(mirror), id(fake))
         with _lock:
             entry = mirror.armed.get(fake)
             if entry is not None and entry[1].hooks_dict_ref() is not None:
                 return
-            node = self._resolved.grad_accumulator(fake)
-            handle = node.register_prehook(
-                self._make_prehook(weakref.ref(source), weakref.ref(mirror), id(fake))
-            )
-            mirror.armed[fake] = (node, handle)
+            mirror.armed[fake] = (node, node.register_prehook(hook))
 
     def _make_prehook(
         self, source_ref: weakref.ref[torch.Tensor], mirror_ref: weakref.ref[_Mirror], fake_id: int

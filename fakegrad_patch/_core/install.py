@@ -45,10 +45,21 @@ class _State:
         self.prepared: tuple[bool, bool, Any] | None = None
         #: fakegrad_patch's frames registered with TorchDynamo's skip list (once per process)
         self.dynamo_skip = False
+        #: the thread applying or removing the patch now (one at a time: :func:`_converge`)
+        self.busy: int | None = None
+        #: the fake tensor module's post-import hook fired: the patch may be applied although
+        #: torch's own import may still be under way
+        self.fake_tensor_loaded = False
+        #: installations removed so far (uninstall() says whether its call removed one)
+        self.removals = 0
 
 
 _state = _State()
+#: Guards the fields of ``_state``, and only them: held to read or publish them, never while
+#: importing, resolving a target, wrapping or calling out (issue 40). The work itself runs
+#: under ``_state.busy`` (a token, not a lock): post-import hooks never wait for it.
 _lock = threading.RLock()
+_idle = threading.Condition(_lock)  # notified when ``busy`` is given back
 
 
 def _torch_ready() -> bool:
@@ -69,14 +80,15 @@ def install() -> bool:
         return _refuse_without_wrapt()
     with _lock:
         _state.wanted = True
-        if _state.applied is not None:
+        if _state.applied is not None and _state.busy is None:
             return True
-        if _torch_ready():
-            _apply_now()
-        elif not _state.hooks_registered:
-            _state.hooks_registered = True
-            wrapt.register_post_import_hook(_on_torch_imported, "torch")
-        return _state.applied is not None
+        register = not _state.hooks_registered and not _torch_ready()
+        _state.hooks_registered = _state.hooks_registered or register
+    if register:
+        # outside our lock: wrapt calls the hook at once when torch is imported (or importing)
+        wrapt.register_post_import_hook(_on_torch_imported, "torch")
+    _converge(wait=True)
+    return _state.applied is not None
 
 
 def _refuse_without_wrapt() -> bool:
@@ -105,32 +117,98 @@ def _on_torch_imported(_module: Any) -> None:
 
 
 def _on_fake_tensor_imported(_module: Any) -> None:
+    # A post-import hook: it runs inside an import, holding that module's import lock (and
+    # torch's while torch itself imports). It never waits for a thread applying or removing
+    # the patch (which may be waiting for that very import): that thread re-reads the state
+    # before it stops, and applies the patch then.
     with _lock:
-        if _state.wanted and _state.applied is None:
-            _apply_now()
+        _state.fake_tensor_loaded = True
+    _converge(wait=False)
 
 
-def _apply_now() -> None:
-    """Apply, or record why not. Never raises: the host program must keep running."""
+def _converge(*, wait: bool) -> None:
+    """Bring the patch in line with ``_state.wanted``: apply it or remove it. Raises only what
+    the work lets through (a warning made an error by ``-W error``).
+
+    One thread at a time does the work (``_state.busy``), outside ``_lock``: applying imports
+    torch's modules and resolves targets, and may wait for another thread's import of one of
+    them, so no lock of ours may be held then. A thread that finds the work taken waits for it
+    (``wait``: ``install()``/``uninstall()``, holding no lock of ours) or leaves it to that
+    thread (post-import hooks: they hold the import locks of their module), which re-reads
+    ``wanted`` before it stops: two concurrent ``install()`` calls apply once, and no request
+    is lost."""
+    me = threading.get_ident()
+    with _lock:
+        while _state.busy is not None:
+            if not wait or _state.busy == me:
+                return  # the busy thread (maybe this one, further up) re-reads the state
+            _idle.wait()
+        _state.busy = me
+    failed = False
+    try:
+        while True:
+            removing = None
+            with _lock:
+                if not _state.wanted and _state.applied is not None:
+                    removing, _state.applied = _state.applied, None
+                    set_current(None)
+                elif not (
+                    _state.wanted
+                    and _state.applied is None
+                    and not failed
+                    and (_state.fake_tensor_loaded or _torch_ready())
+                ):
+                    _state.busy = None
+                    _idle.notify_all()
+                    return
+            if removing is not None:
+                _remove(removing)
+            else:
+                failed = not _apply()
+    except BaseException:
+        with _lock:
+            _state.busy = None
+            _idle.notify_all()
+        raise
+
+
+def _apply() -> bool:
+    """Apply, publish and trace; or record why not. Never raises: the host program must keep
+    running. Called by the busy thread, holding no lock of ours (the work imports)."""
     import torch
 
+    version = torch.__version__
     try:
-        _state.applied = _Applied()
-        set_current(_state.applied)
-        _state.skipped_reason = None
+        applied = _Applied()
     except MissingTargetError as exc:
-        _skip(_why_missing(exc, torch.__version__), torch.__version__)
+        _skip(_why_missing(exc, version), version)
+        return False
     except Exception as exc:  # never break the host
-        _skip(f"unexpected {type(exc).__name__}: {exc}", torch.__version__)
-    else:
-        if trace.enabled(trace.INFO):
-            trace.emit(
-                "patch_installed",
-                trace.INFO,
-                torch=torch.__version__,
-                target=FROM_REAL_TENSOR.dotted,
-                defects=_state.applied.probes.known(),
-            )
+        _skip(f"unexpected {type(exc).__name__}: {exc}", version)
+        return False
+    with _lock:
+        _state.applied = applied
+        set_current(applied)
+        _state.skipped_reason = None
+    if trace.enabled(trace.INFO):
+        trace.emit(
+            "patch_installed",
+            trace.INFO,
+            torch=version,
+            target=FROM_REAL_TENSOR.dotted,
+            defects=applied.probes.known(),
+        )
+    return True
+
+
+def _remove(applied: _Applied) -> None:
+    """Take an installation off (already unpublished) and trace it. Called by the busy
+    thread, holding no lock of ours."""
+    left = applied.remove()
+    with _lock:
+        _state.removals += 1
+    if trace.enabled(trace.INFO):
+        trace.emit("patch_uninstalled", trace.INFO, hooks_removed=0, hooks_left=left)
 
 
 def _why_missing(exc: MissingTargetError, torch_version: str) -> str:
@@ -149,7 +227,8 @@ def _why_missing(exc: MissingTargetError, torch_version: str) -> str:
 
 
 def _skip(reason: str, torch_version: str) -> None:
-    _state.skipped_reason = reason
+    with _lock:
+        _state.skipped_reason = reason
     warn_once(
         "skip",
         f"fakegrad_patch: not patching torch {torch_version}: {reason}. Upstream behaviour "
@@ -165,14 +244,10 @@ def uninstall() -> bool:
     Returns True when something was uninstalled."""
     with _lock:
         _state.wanted = False
-        applied, _state.applied = _state.applied, None
-        set_current(None)
-    if applied is None:
-        return False
-    left = applied.remove()
-    if trace.enabled(trace.INFO):
-        trace.emit("patch_uninstalled", trace.INFO, hooks_removed=0, hooks_left=left)
-    return True
+        had = _state.applied is not None
+        removals = _state.removals
+    _converge(wait=True)
+    return had or _state.removals > removals
 
 
 def release_hooks() -> int:

@@ -25,6 +25,8 @@ import torch
 
 from .weak import WeakIdTable
 
+#: Guards the registries below while they are written: table operations only, never an import
+#: or a call out (issue 40). Not a leaf's write lock (:func:`leaf_lock`).
 _lock = threading.Lock()
 #: leaf -> its write lock (made on first need)
 _locks: WeakIdTable[threading.RLock] = WeakIdTable()
@@ -89,14 +91,13 @@ def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:
 
     Weakly held: naming never keeps a tensor alive. Returns how many parameters were named.
     """
-    count = 0
+    # the module's own code runs first, then the lock is taken only to record (issue 40)
+    params = list(module.named_parameters(prefix=prefix.rstrip(".")))
+    buffers = list(module.named_buffers(prefix=prefix.rstrip(".")))
     with _lock:
-        for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
-            _names.set(param, name)
-            count += 1
-        for name, buffer in module.named_buffers(prefix=prefix.rstrip(".")):
-            _names.set(buffer, name)
-    return count
+        for name, tensor in (*params, *buffers):
+            _names.set(tensor, name)
+    return len(params)
 
 
 def name_of(leaf: torch.Tensor) -> str | None:

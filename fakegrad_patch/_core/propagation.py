@@ -106,46 +106,54 @@ class Propagation:
             return True
         import wrapt
 
+        # import first, then lock (issue 40): resolving a target may import
+        if _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH) is None:
+            return False
+        fallback_ok = _targets._resolve_optional(_targets.RUN_FALLBACK_KERNEL) is not None
         with self._lock:
             if self.observing:
                 return True
-            cls = self._r.fake_mode_cls
-            name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
-            original = cls.__dict__.get(name)
-            if _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH) is None or not callable(
-                original
-            ):
-                return False
-            sites = [
-                _sites.Site(
-                    cls,
-                    name,
-                    wrapt.FunctionWrapper(original, self.dispatch),
-                    original,
-                    registry=_sites.user_modes,
-                    lost="in-place updates of real tensors inside the mode are not watched",
-                )
-            ]
-            module = self._r.fake_tensor_module
-            fallback = module.__dict__.get("run_fallback_kernel")
-            if self._can_read_frames and callable(fallback):
-                sites.append(
+            sites = self._sites
+            if not sites:
+                cls = self._r.fake_mode_cls
+                name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
+                original = cls.__dict__.get(name)
+                if not callable(original):
+                    return False
+                sites = [
                     _sites.Site(
-                        module,
-                        "run_fallback_kernel",
-                        wrapt.FunctionWrapper(fallback, self._fallback),
-                        fallback,
+                        cls,
+                        name,
+                        wrapt.FunctionWrapper(original, self.dispatch),
+                        original,
                         registry=_sites.user_modes,
-                        lost="ops without a meta kernel keep the zeros' values",
+                        lost="in-place updates of real tensors inside the mode are not watched",
                     )
-                )
-            for site in sites:
-                site.set_policy(self._policy)
-                # before ``observing``: a thread that finds it set finds the wrapper in place
-                # when a mode needs it (the site's own lock never blocks)
-                site.start()
-            self._sites = sites
-            self.observing = True
+                ]
+                module = self._r.fake_tensor_module
+                fallback = module.__dict__.get("run_fallback_kernel")
+                if fallback_ok and self._can_read_frames and callable(fallback):
+                    sites.append(
+                        _sites.Site(
+                            module,
+                            "run_fallback_kernel",
+                            wrapt.FunctionWrapper(fallback, self._fallback),
+                            fallback,
+                            registry=_sites.user_modes,
+                            lost="ops without a meta kernel keep the zeros' values",
+                        )
+                    )
+                for site in sites:
+                    site.set_policy(self._policy)
+                self._sites = sites
+        # Started before ``observing`` is set: a thread that finds it set finds the wrappers in
+        # place when a mode needs them. Outside our lock: starting may warn (somebody replaced
+        # ``dispatch``); a site closed meanwhile (uninstall) stays closed.
+        for site in sites:
+            site.start()
+        with self._lock:
+            if self._sites is sites:
+                self.observing = True
         return True
 
     def set_policy(self, explicit: bool) -> None:
@@ -157,10 +165,8 @@ class Propagation:
     def remove(self) -> None:
         """``uninstall()``: torch's functions back."""
         with self._lock:
-            if not self.observing:
-                return
             self.observing = False
-            sites, self._sites = self._sites, []
+            sites, self._sites = self._sites, []  # also those observe() is starting
         for site in sites:
             site.close()  # torch's back, unless somebody wrapped over ours (warned)
 

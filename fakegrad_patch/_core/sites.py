@@ -95,7 +95,9 @@ class Site:
 
     def start(self) -> None:
         """Follow the need from now on (the installation is complete): modes seen by an
-        earlier installation may still live."""
+        earlier installation may still live. A closed site stays closed."""
+        if self._closed:
+            return
         self._started = True
         if self not in _started:
             _started.append(self)
@@ -131,20 +133,23 @@ class Site:
                 return
             try:
                 self._dirty = False
-                self._settle(quiet)
+                report = self._settle(quiet)
             finally:
                 self._lock.release()
+            if report is not None:
+                report()  # after releasing: a trace event or a warning may import (issue 40)
 
-    def _settle(self, quiet: bool) -> None:
+    def _settle(self, quiet: bool) -> Any:
+        """Put the wrapper or torch's object in place as needed; returns what to report (a
+        callable: run it without the lock), or None."""
         want = not self._closed and (self._policy or bool(self._registry))
         if want == self._in_place:
-            return
+            return None
         owner, attr = self._owner, self._attr
         current = owner.__dict__.get(attr)
         if want:
             if current is not self.original and current is not self.wrapper:
-                _rewrapped(owner, attr, self._lost, before=True)
-                return
+                return functools.partial(_rewrapped, owner, attr, self._lost, before=True)
             setattr(owner, attr, self.wrapper)
             self._in_place = True
             self.counts[0] += 1
@@ -152,14 +157,21 @@ class Site:
         else:
             if current is not self.wrapper:
                 if self._closed:
-                    _rewrapped(owner, attr, self._lost, before=False)
-                return  # somebody wrapped over ours: theirs stays; ours passes calls through
+                    return functools.partial(_rewrapped, owner, attr, self._lost, before=False)
+                return None  # somebody wrapped over ours: theirs stays; ours passes calls through
             setattr(owner, attr, self.original)
             self._in_place = False
             self.counts[1] += 1
             event = self._events[1] if self._events else None
         if event is not None and not quiet and trace.enabled(trace.DEBUG):
-            trace.emit(event, trace.DEBUG, modes=len(self._registry), explicit_policy=self._policy)
+            return functools.partial(
+                trace.emit,
+                event,
+                trace.DEBUG,
+                modes=len(self._registry),
+                explicit_policy=self._policy,
+            )
+        return None
 
 
 def _rewrapped(owner: Any, attr: str, lost: str, *, before: bool) -> None:

@@ -169,11 +169,12 @@ class WriteBack:
         """Write-back on; False (write-back unavailable) when ``dispatch`` is missing."""
         if not self.observe():
             return False
+        register = _step_hook_registrar()  # import first, then lock (issue 40)
         with self._lock:
             if self.enabled:
                 return True
             self.enabled = True
-            self._step_hook = _register_step_hook(self._after_optimizer_step)
+            self._step_hook = register(self._after_optimizer_step) if register else None
         self._dispatcher.set_policy(True)  # wrapped while write-back is on, modes or not
         if trace.enabled(trace.INFO):
             trace.emit("write_back_enabled", trace.INFO)
@@ -617,14 +618,14 @@ class WriteBack:
             self._applied.internal_error("write_back", exc)
 
 
-def _register_step_hook(hook: Any) -> Any:
+def _step_hook_registrar() -> Any:
     """``torch.optim.optimizer.register_optimizer_step_post_hook`` (public; every optimizer),
     or None where absent."""
     try:
         from torch.optim.optimizer import register_optimizer_step_post_hook
     except ImportError:
         return None
-    return register_optimizer_step_post_hook(hook)
+    return register_optimizer_step_post_hook
 
 
 def kind_of(t: Any) -> str:

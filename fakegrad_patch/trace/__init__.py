@@ -54,6 +54,11 @@ from typing import Any, Final
 from .. import _config as _settings
 from .._errors import FakeGradPatchWarning
 
+try:  # at import, not under a sink's lock (issue 40: never an import while holding a lock)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
 SCHEMA_VERSION: Final = 1
 DEBUG, INFO, WARNING, ERROR = 10, 20, 30, 40
 _LEVEL_NAMES: Final = {"debug": DEBUG, "info": INFO, "warning": WARNING, "error": ERROR}
@@ -205,8 +210,11 @@ class _FileSink:
         self._warned_mode = False
         self._check_every = max(1, min(max_bytes // 16, _CHECK_EVERY_MAX)) if max_bytes else 1 << 62
         self._unchecked = 0  # bytes written since the last size/identity check
+        #: a notice for the user, found under the lock and given after releasing it
+        self._notice: str | None = None
         # Reentrant: a weakref finalizer (leaf_released) can emit from a GC run that starts
-        # inside write() on this same thread.
+        # inside write() on this same thread. Held for the file's own operations only: never
+        # while warning, emitting or importing (issue 40).
         self._lock = threading.RLock()
 
     def write(self, data: bytes) -> None:
@@ -228,6 +236,10 @@ class _FileSink:
                     self._check()
         except OSError as exc:
             self._fail(exc)
+        if self._notice is not None:
+            notice, self._notice = self._notice, None
+            if notice is not None:
+                _warn(notice)
 
     def _open(self) -> None:
         try:
@@ -251,8 +263,9 @@ class _FileSink:
         self._fd = fd
         self._ino = (st.st_dev, st.st_ino)
         if stat.S_IMODE(st.st_mode) & 0o077 and not self._warned_mode:
-            self._warned_mode = True
-            _warn(f"fakegrad_patch: {_wide_mode_notice(self.path, st.st_mode)}; appending to it.")
+            self._warned_mode = True  # warned by write(), after releasing the lock
+            notice = _wide_mode_notice(self.path, st.st_mode)
+            self._notice = f"fakegrad_patch: {notice}; appending to it."
         self._unchecked = 0
         if self.max_bytes and st.st_size >= self.max_bytes:
             self._check()
@@ -325,18 +338,14 @@ class _Flock:
         self._fd = fd
 
     def release(self) -> None:
-        if self._fd is not None:
-            import fcntl
-
+        if self._fd is not None and fcntl is not None:
             with contextlib.suppress(OSError):
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
 
 def _flock(fd: int) -> _Flock:
     """An exclusive advisory lock on ``fd``'s file (none where ``fcntl`` does not exist)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
+    if fcntl is None:  # pragma: no cover - Windows
         return _Flock(None)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -707,6 +716,8 @@ def _build_logger() -> Any:
 
 def _method_for(level: int) -> Callable[..., Any]:
     """The cached bound logger's method for ``level`` (built on first use per configuration)."""
+    import structlog  # noqa: F401  # import first, then lock (issue 40): the first event imports it
+
     with _lock:
         method = _methods.get(level)
         if method is None:
