@@ -10,14 +10,13 @@ import _scopes
 import pytest
 import torch
 import torch._functorch.config as functorch_config
+from _helpers import DEVICES  # defined there, so test files can import it too
 
 import fakegrad_patch
 from fakegrad_patch import _config, trace
 
 #: Set by tests/test_can_fail.py: run the suite against upstream torch to prove it fails there.
 UNPATCHED = os.environ.get("FAKEGRAD_TEST_UNPATCHED") == "1"
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def _scope() -> str:
