@@ -91,9 +91,22 @@ def pytest_configure(config: pytest.Config) -> None:
     # Uninitialised or garbage real values (unpatched 2.13, D2) can be denormal; without this
     # they would slow the unpatched side down and flatter the patch.
     torch.set_flush_denormal(True)
-    out = config.getoption("benchmark_json", default=None)
+    out = json_path(config.getoption("benchmark_json", default=None))
     if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def json_path(option: Any) -> Path | None:
+    """Where ``--benchmark-json`` writes, whatever pytest-benchmark made of the option: a path
+    (5.3 and later parse it with ``type=Path``) or a file it has already opened for writing
+    (4.x up to 5.2: ``argparse.FileType('wb')``, so the file, and its folder, exist by now:
+    its ``name`` is the path). None when the option is not given, or names no file."""
+    if option is None:
+        return None
+    if isinstance(option, str | os.PathLike):
+        return Path(option)
+    name = getattr(option, "name", None)  # an open file object
+    return Path(name) if isinstance(name, str | os.PathLike) else None
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -37,8 +37,10 @@ BUILD_INDEPENDENT = frozenset(
 )
 #: Files whose subject is the torch build alone: PyTorch's own tracers next to the patch (PT2
 #: coexistence, inductor compiles), upstream's defects with the patch removed (can_fail), the
-#: registries' cost at 6,000 tensors (scale) and the benchmark smoke run (benchmarks run on the
-#: local builds). ``FAKEGRAD_TEST_SCOPE=deps`` deselects them: the ``lowest`` env, whose torch
+#: registries' cost at 6,000 tensors (scale), the benchmark smoke run (benchmarks run on the
+#: local builds) and the CUDA command's dry run (it collects this build's CUDA tests and
+#: benchmark rows; GPU runs use a local build too). ``FAKEGRAD_TEST_SCOPE=deps`` deselects them:
+#: the ``lowest`` env, whose torch
 #: (2.15.0) is newest's, only changes wrapt and structlog, which these files do not exercise
 #: beyond what every other file does; newest runs them on that build.
 BUILD_BOUND = frozenset(
@@ -47,6 +49,7 @@ BUILD_BOUND = frozenset(
         "test_can_fail.py",
         "test_scale.py",
         "test_benchmarks_smoke.py",
+        "test_cuda_check.py",
     }
 )
 SCOPES = {"all": frozenset(), "build": BUILD_INDEPENDENT, "deps": BUILD_BOUND}

@@ -157,18 +157,21 @@ def tiny_transformer(device: str = "cpu") -> Case:
 
 
 class CellLoop(nn.Module):
-    """A GRU cell unrolled over time in Python, with a readout at every step."""
+    """A recurrent cell (``nn.GRUCell`` by default, ``nn.LSTMCell``, ``nn.RNNCell``) unrolled
+    over time in Python, with a readout at every step."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "GRUCell") -> None:
         super().__init__()
-        self.cell = nn.GRUCell(6, 10)
+        self.cell = getattr(nn, kind)(6, 10)
         self.out = nn.Linear(10, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.new_zeros(x.shape[1], 10)
+        state: Any = (h, h) if isinstance(self.cell, nn.LSTMCell) else h
         outs = []
         for t in range(x.shape[0]):
-            h = self.cell(x[t], h)
+            state = self.cell(x[t], state)
+            h = state[0] if isinstance(state, tuple) else state
             outs.append(self.out(h))
         return torch.stack(outs)
 

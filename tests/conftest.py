@@ -10,6 +10,7 @@ import _scopes
 import pytest
 import torch
 import torch._functorch.config as functorch_config
+from _helpers import DEVICES  # defined there, so test files can import it too
 
 import fakegrad_patch
 from fakegrad_patch import _config, trace
@@ -21,8 +22,6 @@ UNPATCHED = os.environ.get("FAKEGRAD_TEST_UNPATCHED") == "1"
 DEFAULTS = fakegrad_patch.Settings(
     propagation=os.environ.get("FAKEGRAD_TEST_PROPAGATION", "repair")  # type: ignore[arg-type]
 )
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def _scope() -> str:

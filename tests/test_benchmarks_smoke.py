@@ -7,10 +7,15 @@ hold: each variant is what it claims, grads real or fake as expected), every cas
 the public API ran on CPU rather than skipped, the compile cases ran or were skipped for a reason
 this build gives (no dynamo, no C++ compiler), and the ratio table has a row for every case that
 ran.
+
+Also the harness's handling of ``--benchmark-json`` as each pytest-benchmark release parses it
+(issue 38): an open file (``argparse.FileType('wb')``: 4.x up to 5.2) or a path (5.3 on).
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -18,8 +23,10 @@ import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from fakegrad_patch._core import profiling
 
@@ -104,3 +111,54 @@ def test_benchmarks_run_in_smoke_mode(tmp_path: Path) -> None:
     # the set path read against its floor, the least a set path costs in the same step
     assert any("set floor, torch alone" in x and "the least a set path" in x for x in lines), table
     assert any("64 leaves x 1KiB" in x and "x the set floor;" in x for x in lines), table
+
+
+class _Config:
+    """What ``benchmarks/conftest.py``'s ``pytest_configure`` reads of pytest's config."""
+
+    def __init__(self, benchmark_json: Any) -> None:
+        self.options = {
+            "--bench-scale": 1.0,
+            "--bench-smoke": False,
+            "--bench-round-budget": 150.0,
+            "--bench-threads": torch.get_num_threads(),  # unchanged
+            "benchmark_json": benchmark_json,
+        }
+
+    def getoption(self, name: str, default: Any = None) -> Any:
+        return self.options.get(name, default)
+
+    def addinivalue_line(self, name: str, line: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("form", ["open file (4.x to 5.2)", "Path (5.3 on)", "str", "absent"])
+def test_the_harness_takes_benchmark_json_as_every_pytest_benchmark_parses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """pytest-benchmark up to 5.2 opens ``--benchmark-json`` itself (``argparse.FileType('wb')``)
+    and hands the plugins an open file; 5.3 on, a ``Path``. The harness's ``pytest_configure``
+    takes each (an open file raised TypeError there before issue 38, so a GPU run wrote no
+    benchmark row), and makes the folder a path names."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    conftest = importlib.import_module("benchmarks.conftest")
+    support = importlib.import_module("benchmarks._support")
+    for name in ("SCALE", "SMOKE", "ROUND_BUDGET_S"):  # pytest_configure sets them
+        monkeypatch.setattr(support, name, getattr(support, name))
+    target = tmp_path / "not yet" / "bench.json"
+    option: Any = None
+    if form.startswith("open file"):
+        target.parent.mkdir()
+        option = argparse.FileType("wb")(str(target))  # exactly what 4.x ... 5.2 pass on
+    elif form.startswith("Path"):
+        option = target
+    elif form == "str":
+        option = str(target)
+    try:
+        conftest.pytest_configure(_Config(option))
+    finally:
+        torch.set_flush_denormal(False)  # pytest_configure turns it on for the benchmarks
+        if hasattr(option, "close"):
+            option.close()
+    assert conftest.json_path(option) == (None if form == "absent" else target)
+    assert target.parent.is_dir() is (form != "absent")

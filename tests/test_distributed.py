@@ -1,11 +1,12 @@
 """DDP (gloo, 2 processes on 127.0.0.1, CPU) against eager DDP (docs/compatibility.md,
-"Distributed").
+"Distributed"); the same matrix with NCCL, world size 1 on one GPU (issue 38: marked ``cuda``).
 
 * Forward and backward inside a propagating fake mode (fakegrad_patch/_core/ddp.py): every DDP
   configuration of the matrix gives, on each rank and at every step, the parameters' ``.grad`` of
   an eager DDP replica fed the same data. Losses are rank-dependent (different data, loss scaled
   by ``rank + 1``), and each rank also checks that the reduced gradient differs from its own
-  un-reduced one, so a gradient that was never allreduced cannot pass.
+  un-reduced one, so a gradient that was never allreduced cannot pass (gloo; with NCCL on one
+  GPU the world has one rank, whose reduced gradient is its own).
 * The older workaround, forward inside the mode and backward after leaving it.
 * Upstream (patch uninstalled) on the same programs.
 
@@ -68,8 +69,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fakegrad_patch
 if os.environ["PATCHED"] != "1":
     fakegrad_patch.uninstall()
-rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+BACKEND = os.environ.get("BACKEND", "gloo")
+DEVICE = torch.device("cuda", rank) if BACKEND == "nccl" else torch.device("cpu")
+if DEVICE.type == "cuda":
+    torch.cuda.set_device(DEVICE)
+dist.init_process_group(
+    BACKEND, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+)
 functorch_config.fake_tensor_propagate_real_tensors = True
 """
     + TEARDOWN
@@ -94,7 +101,11 @@ def make(cfg):
     m = torch.nn.Sequential(*layers)
     if cfg == "find_unused":
         m.unused = torch.nn.Linear(4, 4)  # never called: DDP marks it ready itself
-    return m
+    return m.to(DEVICE)
+
+def ddp(m, **kw):
+    # on CUDA as DDP is used there: one device per process, named in device_ids
+    return DDP(m, device_ids=[DEVICE.index] if DEVICE.type == "cuda" else None, **kw)
 
 def wrap(cfg, m):
     cfg = cfg.removeprefix("after_")
@@ -105,7 +116,7 @@ def wrap(cfg, m):
         "many_buckets": {"bucket_cap_mb": 0.0001},  # one bucket per parameter
         "batchnorm": {"broadcast_buffers": True},
     }.get(cfg, {})
-    d = DDP(m, **kw)
+    d = ddp(m, **kw)
     if cfg == "comm_hook":
         d.register_comm_hook(None, default_hooks.allreduce_hook)  # a Python comm hook
     return d
@@ -127,7 +138,7 @@ def verdict(model, ref):
 
 def data(step):
     torch.manual_seed(100 + 10 * step + rank)  # different data on each rank
-    return torch.randn(6, 8)
+    return torch.randn(6, 8).to(DEVICE)
 
 def loss_of(m, x):
     return m(x).square().sum() * float(rank + 1)  # rank-dependent loss
@@ -185,12 +196,17 @@ def run_fsdp2():
         from torch.distributed.fsdp import fully_shard  # imported after the patch: lazy wrapping
     except ImportError as exc:  # FSDP2 is not public on this build (2.4)
         return {"skip": f"no torch.distributed.fsdp.fully_shard: {exc}"}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # the mesh on this test's device (fully_shard's default is the accelerator whenever the
+    # machine has one, which gloo cannot serve)
+    mesh = init_device_mesh(DEVICE.type, (world,))
 
     def sharded():
         m = make("fsdp2")
-        fully_shard(m[0])
-        fully_shard(m[2])
-        return fully_shard(m)
+        fully_shard(m[0], mesh=mesh)
+        fully_shard(m[2], mesh=mesh)
+        return fully_shard(m, mesh=mesh)
 
     model, ref, local = sharded(), sharded(), make("fsdp2")
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
@@ -245,7 +261,7 @@ def run_join():
                 grads.append([None if p.grad is None else p.grad.clone() for p in m.parameters()])
                 m.zero_grad()
         return grads
-    model, ref = DDP(make("join")), DDP(make("join"))
+    model, ref = ddp(make("join")), ddp(make("join"))
     try:
         got = train(model, True)
     except Exception as exc:
@@ -378,14 +394,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_two_ranks(code: str, **extra: str) -> list[Any]:
-    """Run ``code`` as ranks 0 and 1 of a gloo group on 127.0.0.1; each rank's JSON line.
+def _run_ranks(code: str, world_size: int = 2, **extra: str) -> list[Any]:
+    """Run ``code`` as ranks 0 ... ``world_size - 1`` of a group on 127.0.0.1 (gloo; ``BACKEND=
+    "nccl"`` in ``extra`` for NCCL, rank r on GPU r); each rank's JSON line.
 
-    A fresh free port per pair: between ``_free_port`` closing its socket and rank 0's store
-    binding it, another process may take it; rank 0 then fails to bind and the pair is retried
+    A fresh free port per group: between ``_free_port`` closing its socket and rank 0's store
+    binding it, another process may take it; rank 0 then fails to bind and the group is retried
     once on a new port (the only retry: any other failure is reported)."""
     for attempt in (0, 1):
-        results, errors = _attempt(code, extra)
+        results, errors = _attempt(code, world_size, extra)
         if results is not None:
             return results
         if attempt == 0 and any("EADDRINUSE" in e or "address already in use" in e for e in errors):
@@ -394,7 +411,9 @@ def _run_two_ranks(code: str, **extra: str) -> list[Any]:
     raise AssertionError("\n---\n".join(errors))
 
 
-def _attempt(code: str, extra: dict[str, str]) -> tuple[list[Any] | None, list[str]]:
+def _attempt(
+    code: str, world_size: int, extra: dict[str, str]
+) -> tuple[list[Any] | None, list[str]]:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")},
         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),  # the same fakegrad_patch
@@ -402,8 +421,10 @@ def _attempt(code: str, extra: dict[str, str]) -> tuple[list[Any] | None, list[s
         "PYTHONFAULTHANDLER": "1",  # a native crash prints the Python stacks of every thread
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": "2",
+        "WORLD_SIZE": str(world_size),
         "GLOO_SOCKET_IFNAME": "lo",
+        # NCCL's bootstrap on the loopback: one machine, which may have no other interface
+        "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo"),
         "PATCHED": "0" if UNPATCHED else "1",
         **extra,
     }
@@ -415,7 +436,7 @@ def _attempt(code: str, extra: dict[str, str]) -> tuple[list[Any] | None, list[s
             stderr=subprocess.PIPE,
             text=True,
         )
-        for rank in (0, 1)
+        for rank in range(world_size)
     ]
     results: list[Any] = []
     errors: list[str] = []
@@ -443,7 +464,7 @@ def _attempt(code: str, extra: dict[str, str]) -> tuple[list[Any] | None, list[s
 @pytest.fixture(scope="module")
 def matrix() -> list[dict[str, Any]]:
     """Both ranks' results for every configuration, one process pair for the whole matrix."""
-    return _run_two_ranks(MATRIX_WORKER, CONFIGS=",".join(CONFIGS))
+    return _run_ranks(MATRIX_WORKER, CONFIGS=",".join(CONFIGS))
 
 
 @pytest.mark.parametrize("config", _configs())
@@ -458,10 +479,35 @@ def test_fake_forward_and_backward_inside_ddp_give_eager_ddp_grads(
         assert result[config]["reduced"], "the reference gradient was not reduced"
 
 
+@pytest.fixture(scope="module")
+def nccl_matrix() -> dict[str, Any]:
+    """The matrix with NCCL, one process for every configuration: world size 1 on GPU 0 (NCCL
+    takes one GPU per rank, and refuses two ranks on one GPU)."""
+    (result,) = _run_ranks(MATRIX_WORKER, world_size=1, BACKEND="nccl", CONFIGS=",".join(CONFIGS))
+    return dict(result)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch build has no NCCL")
+@pytest.mark.parametrize("config", _configs())
+def test_nccl_on_one_gpu_fake_forward_and_backward_give_eager_ddp_grads(
+    nccl_matrix: dict[str, Any], config: str
+) -> None:
+    """The gloo matrix's CUDA twin (issue 38): the model, data and gradients on the GPU, DDP
+    with ``device_ids``, FSDP2 on a CUDA mesh, NCCL collectives; every synced step's gradients
+    and parameters equal eager DDP's. One rank: its reduced gradient is its own, so the gloo
+    test's "was it reduced" check has nothing to see here."""
+    result = nccl_matrix[config]
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    want = SYNCED.get(config, [3, 3])[0]
+    assert result["steps"] == ["== eager DDP"] * want, result
+
+
 def test_upstream_ddp_fails_inside_the_mode_and_leaves_fake_grads_after_it() -> None:
     """The same programs without the patch: inside the mode the allreduce is dispatched to the
     fake mode and rejected; backward after the mode leaves FakeTensors in ``.grad``."""
-    for result in _run_two_ranks(MATRIX_WORKER, CONFIGS="default,after_find_unused", PATCHED="0"):
+    for result in _run_ranks(MATRIX_WORKER, CONFIGS="default,after_find_unused", PATCHED="0"):
         (inside,) = result["default"]["steps"]
         # 2.13+: the mutation check; 2.4: the fake mode has no kernel for the collective
         assert inside.startswith(
@@ -475,5 +521,5 @@ if __name__ == "__main__":
     assert sys.argv[1:] == ["p1"], "usage: python tests/test_distributed.py p1"
     for session in ("inside", "after"):
         for control in ("1", "0", "1", "0"):
-            for rank in _run_two_ranks(P1_WORKER, CONTROL=control, SESSION=session):
+            for rank in _run_ranks(P1_WORKER, CONTROL=control, SESSION=session):
                 print(f"session={session} control={control}", json.dumps(rank))

@@ -10,10 +10,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import _pending
 import _zoo
 import pytest
 import torch
 import torch._functorch.config as functorch_config
+from _helpers import assert_verified
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -36,6 +38,27 @@ KNOWN_CORE_FAILURES = {
         "test_zoo_model_trains_like_eager_buffers_included_with_write_back"
     ),
 }
+
+#: Zoo models that fail on CUDA for a cause outside the patch's own mechanism (tests/_pending.py):
+#: xfail, not strict, on CUDA only. In the write-back variant, BatchNorm's running statistics too.
+CUDA_PENDING = {
+    "batchnorm_resnet": [_pending.BN_MASK_CUDA],  # BatchNorm1d(affine=False) on (N, C)
+    "tiny_transformer": [_pending.SDPA_EFFICIENT],  # float32 nn.MultiheadAttention
+    "rnn_cell_loop": [_pending.GRU_FUSED_CELL],
+}
+CUDA_PENDING_WRITE_BACK = {
+    "conv_bn_channels_last": [_pending.BN_WRITE_BACK_CUDA],
+    "batchnorm_resnet": [*CUDA_PENDING["batchnorm_resnet"], _pending.BN_WRITE_BACK_CUDA],
+    "tiny_transformer": CUDA_PENDING["tiny_transformer"],
+    "rnn_cell_loop": CUDA_PENDING["rnn_cell_loop"],
+}
+
+
+def _expect_on_cuda(
+    request: pytest.FixtureRequest, device: torch.device, causes: list[str] | None
+) -> None:
+    if device.type == "cuda" and causes:
+        _pending.xfail(request, "; ".join(causes))
 
 
 def _upstream_weight_norm_backward_is_nan() -> bool:
@@ -79,29 +102,29 @@ def _run(case: dict[str, Any], **overrides: Any) -> Any:
         for n in _zoo.ZOO
     ],
 )
-def test_zoo_model_trains_like_eager(name: str, device: torch.device) -> None:
+def test_zoo_model_trains_like_eager(
+    request: pytest.FixtureRequest, name: str, device: torch.device
+) -> None:
     if name == "weight_norm" and _upstream_weight_norm_backward_is_nan():
         pytest.xfail("upstream propagation of weight_norm's backward is NaN on this build")
+    _expect_on_cuda(request, device, CUDA_PENDING.get(name))
     report = _run(_zoo.ZOO[name](str(device)))
-    assert report.ok, report.format()
-    assert report.parameters, "no parameter was compared"
-    for p in report.parameters:
-        assert p.grad == p.eager_grad == "real", p
-        assert p.max_abs is not None and p.value_max_abs is not None, p
-        assert set(p.outcomes) <= {"set", "accumulate"} and p.outcomes, p
-        assert p.grad_strides == p.eager_grad_strides and p.grad_device == str(device), p
-    assert all(loss["abs_diff"] is not None for loss in report.losses)
+    # the verdict, and every parameter real, compared, set/accumulate only, eager's strides, on
+    # the device the test names with its index resolved ("cuda" is the tensors' "cuda:0")
+    assert_verified(report, device)
+    assert all(p.eager_grad == "real" for p in report.parameters), report.format()
 
 
 @pytest.mark.filterwarnings("ignore::fakegrad_patch.FakeGradPatchWarning")
 @pytest.mark.parametrize("name", list(_zoo.ZOO))
 def test_zoo_model_trains_like_eager_buffers_included_with_write_back(
-    name: str, device: torch.device
+    request: pytest.FixtureRequest, name: str, device: torch.device
 ) -> None:
     """With ``buffers="write_back"`` every zoo model (spectral_norm included: no xfail) ends
     with eager's parameters *and* buffers, the write-backs traced."""
     if name == "weight_norm" and _upstream_weight_norm_backward_is_nan():
         pytest.xfail("upstream propagation of weight_norm's backward is NaN on this build")
+    _expect_on_cuda(request, device, CUDA_PENDING_WRITE_BACK.get(name))
     report = _run(_zoo.ZOO[name](str(device)), buffers="write_back", check_buffers="strict")
     assert report.ok, report.format()
     assert report.buffers_mode == "write_back"
