@@ -70,10 +70,12 @@ def configure(
     buffers: ``"upstream"`` (default) or ``"write_back"``: in-place updates a propagating mode
     applies to real tensors that do not require grad (BatchNorm running statistics,
     spectral_norm's vectors) reach them exactly once, as in eager mode; see
-    docs/configuration.md. propagation: ``"repair"`` (default) or ``"upstream"``: in a
-    propagating mode without a ShapeEnv, propagated values upstream gets wrong are repaired and
-    ops whose fake kernel refuses or disagrees after the real kernel ran take the real kernel's
-    outputs; ``"upstream"`` leaves FakeTensorMode's propagation as it is. ``None`` leaves a
+    docs/configuration.md. propagation: ``"fast"`` (default), ``"repair"`` or ``"upstream"``:
+    in a propagating mode without a ShapeEnv, ``"fast"`` runs an op that makes new tensors once,
+    on its real kernel, and makes its fake outputs from the real ones; ``"fast"`` and
+    ``"repair"`` repair propagated values upstream gets wrong and give ops whose fake side
+    refuses or disagrees after the real kernel ran the real kernel's outputs; ``"upstream"``
+    leaves FakeTensorMode's propagation as it is. ``None`` leaves a
     setting unchanged. Invalid values raise ValueError naming the setting, the value and the
     valid ones; settings are then unchanged.
     """

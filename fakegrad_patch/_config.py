@@ -38,10 +38,10 @@ BUFFERS_VALUES: tuple[str, ...] = ("upstream", "write_back")
 DEFAULT_BUFFERS: Buffers = "upstream"
 ENV_BUFFERS = "FAKEGRAD_BUFFERS"
 
-Propagation = Literal["repair", "upstream"]
+Propagation = Literal["fast", "repair", "upstream"]
 #: Valid values of ``propagation``, in documentation order.
-PROPAGATION_VALUES: tuple[str, ...] = ("repair", "upstream")
-DEFAULT_PROPAGATION: Propagation = "repair"
+PROPAGATION_VALUES: tuple[str, ...] = ("fast", "repair", "upstream")
+DEFAULT_PROPAGATION: Propagation = "fast"
 ENV_PROPAGATION = "FAKEGRAD_PROPAGATION"
 
 
@@ -63,9 +63,11 @@ class Settings:
         ``write_back`` (the update reaches the real tensor exactly once, as in eager mode). See
         docs/configuration.md.
     propagation: what the patch does to real-value propagation itself in a propagating mode
-        without a ShapeEnv (a user's): ``repair`` (default: values upstream gets wrong are
-        repaired, ops whose fake kernel refuses or disagrees after the real kernel ran take the
-        real kernel's outputs) or ``upstream`` (FakeTensorMode's propagation as it is).
+        without a ShapeEnv (a user's): ``fast`` (default: ops that make new tensors run their
+        real kernel once and their fake outputs are made from its outputs; the repairs below
+        for the rest), ``repair`` (upstream's propagation, with values it gets wrong repaired
+        and ops whose fake side refuses or disagrees after the real kernel ran taking the real
+        kernel's outputs) or ``upstream`` (FakeTensorMode's propagation as it is).
     """
 
     on_missing: OnMissing = DEFAULT_ON_MISSING

@@ -50,6 +50,7 @@ BUILD_BOUND = frozenset(
         "test_scale.py",
         "test_benchmarks_smoke.py",
         "test_cuda_check.py",
+        "test_opinfo_sweep.py",
     }
 )
 SCOPES = {"all": frozenset(), "build": BUILD_INDEPENDENT, "deps": BUILD_BOUND}

@@ -15,8 +15,9 @@ A sample is
 
 A plain module (imported by tests/test_opinfo_sweep.py and run as a script):
 
-    python tests/opinfo_sweep.py --json sweep.json [--device cpu] [--dtype float32]
-        [--max-samples N] [--ops name,...] [--shard i/n]
+    python tests/opinfo_sweep.py --json sweep.json --workers 2 [--device cpu]
+        [--plan float32:4,bfloat16:1] [--ops name,...] [--unpatched]
+        [--update-expected tests/opinfo_expected.json]
 """
 
 from __future__ import annotations
@@ -199,6 +200,12 @@ def _differs(got: Any, want: Any) -> str | None:
     return None
 
 
+def _names(text: str, op: Any) -> bool:
+    """Does an error's text (message and notes) name an aten/custom op (``aten.mm``, the op's own
+    name)?"""
+    return "aten." in text or "aten::" in text or op.name.split(".")[-1] in text
+
+
 def run_case(op: Any, index: int, sample: Any, device: str) -> dict[str, Any]:
     """One sample, eager vs patched: its category and what was seen."""
     seed = _seed(op) + index
@@ -224,8 +231,12 @@ def run_case(op: Any, index: int, sample: Any, device: str) -> dict[str, Any]:
             got = _run(op, sample, seed, fake=True)
         except Exception as exc:
             lines = str(exc).strip().splitlines()
+            notes = getattr(exc, "__notes__", None) or []
+            text = "\n".join([str(exc), *notes])
             row.update(
-                category="error", why=f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+                category="error",
+                why=f"{type(exc).__name__}: {lines[0][:300] if lines else ''}",
+                names_op=_names(text, op),
             )
             return row
     warned = [str(w.message)[:300] for w in caught if issubclass(w.category, FakeGradPatchWarning)]
@@ -248,47 +259,68 @@ def run_case(op: Any, index: int, sample: Any, device: str) -> dict[str, Any]:
     return row
 
 
+#: what the suite runs (tests/test_opinfo_sweep.py): (dtype, samples per op); None: every
+#: sample. Capped for the CI's time (issue 39: <= 3 min per build on its two cores).
+PLAN: tuple[tuple[str, int | None], ...] = (("float32", 6), ("bfloat16", 2))
+
+
+def _cases(device: str, plan: Any, ops: list[str] | None) -> list[tuple[str, Any, int | None]]:
+    """``(dtype, op, cap)`` for every op of every planned dtype, in a fixed order."""
+    out = []
+    for dtype, cap in plan:
+        for op in sweep_ops(device, getattr(torch, dtype)):
+            if ops is None or op_id(op) in ops:
+                out.append((dtype, op, cap))
+    return out
+
+
+def _key(dtype: str, op: Any) -> str:
+    return f"{dtype}:{op_id(op)}"
+
+
 def sweep(
     device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    max_samples: int | None = None,
+    plan: Any = PLAN,
     ops: list[str] | None = None,
     shard: tuple[int, int] = (0, 1),
     patched: bool = True,
     after: str | None = None,
     out: Any = None,
 ) -> list[dict[str, Any]]:
-    """Run the shard's ops in order (those after ``after``, when given); each row is also
-    written to ``out`` (a text file) as one JSON line, flushed, with a ``{"start": op}`` line
-    before each op, so a parent can tell which op crashed the interpreter."""
+    """Run the shard's cases in order (those after the case ``after``, when given); each row is
+    also written to ``out`` (a text file) as one JSON line, flushed, with a ``{"start": key}``
+    line before each op, so a parent can tell which op crashed the interpreter."""
     if patched:
         fakegrad_patch.install()
     else:
         fakegrad_patch.uninstall()
-    rows = []
-    selected = [op for op in sweep_ops(device, dtype) if ops is None or op_id(op) in ops]
-    mine = [op for n, op in enumerate(selected) if n % shard[1] == shard[0]]
+    rows: list[dict[str, Any]] = []
+    mine = [c for n, c in enumerate(_cases(device, plan, ops)) if n % shard[1] == shard[0]]
     if after is not None:
-        names = [op_id(op) for op in mine]
-        mine = mine[names.index(after) + 1 :] if after in names else mine
-    for op in mine:
+        keys = [_key(d, op) for d, op, _ in mine]
+        mine = mine[keys.index(after) + 1 :] if after in keys else mine
+    for dtype_name, op, cap in mine:
+        key = _key(dtype_name, op)
         if out is not None:
-            out.write(json.dumps({"start": op_id(op)}) + "\n")
+            out.write(json.dumps({"start": key}) + "\n")
             out.flush()
+        dtype = getattr(torch, dtype_name)
+        made: list[dict[str, Any]] = []
         try:
-            cases = samples(op, device, dtype, max_samples)
+            cases = samples(op, device, dtype, cap)
         except Exception as exc:
             cases = []
-            rows.append(
-                {"op": op_id(op), "sample": -1, "category": "skip", "why": f"samples: {exc}"}
-            )
+            made.append({"op": op_id(op), "sample": -1, "category": "skip", "why": f"{exc}"})
         for i, sample in enumerate(cases):
             start = time.perf_counter()
             row = run_case(op, i, sample, device)
             row["seconds"] = round(time.perf_counter() - start, 4)
-            rows.append(row)
+            made.append(row)
+        for row in made:
+            row["dtype"] = dtype_name
+        rows.extend(made)
         if out is not None:
-            for row in rows[-max(len(cases), 1) :]:
+            for row in made:
                 out.write(json.dumps(row) + "\n")
             out.flush()
     return rows
@@ -296,18 +328,16 @@ def sweep(
 
 def run_isolated(
     device: str = "cpu",
-    dtype: str = "float32",
-    max_samples: int | None = None,
+    plan: Any = PLAN,
     ops: list[str] | None = None,
     workers: int = 2,
     patched: bool = True,
     workdir: str = ".",
     env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The sweep in ``workers`` interpreters at once (shards of the op list); an op that kills
+    """The sweep in ``workers`` interpreters at once (shards of the case list); an op that kills
     its interpreter (upstream crashes on some sparse ops, patched or not) is recorded as an
     ``error`` and the shard goes on after it in a new interpreter."""
-    import os
     import subprocess
 
     def command(i: int, after: str | None, path: str) -> list[str]:
@@ -318,13 +348,11 @@ def run_isolated(
             path,
             "--device",
             device,
-            "--dtype",
-            dtype,
+            "--plan",
+            _plan_text(plan),
             "--shard",
             f"{i}/{workers}",
         ]
-        if max_samples is not None:
-            cmd += ["--max-samples", str(max_samples)]
         if ops:
             cmd += ["--ops", ",".join(ops)]
         if not patched:
@@ -334,23 +362,27 @@ def run_isolated(
         return cmd
 
     rows: list[dict[str, Any]] = []
-    pending = {i: None for i in range(workers)}  # shard -> the op to go on after
-    while pending:
-        procs = {}
-        for i, after in pending.items():
-            path = os.path.join(workdir, f"sweep-{i}-{len(rows)}.jsonl")
-            procs[i] = (
-                subprocess.Popen(
-                    command(i, after, path),
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    env=env,
-                ),
-                path,
-            )
-        pending = {}
-        for i, (proc, path) in procs.items():
-            _, err = proc.communicate()
+    running: dict[int, tuple[Any, str]] = {}
+    restarts = 0
+
+    def start(i: int, after: str | None) -> None:
+        nonlocal restarts
+        path = os.path.join(workdir, f"sweep-{os.getpid()}-{i}-{restarts}.jsonl")
+        restarts += 1
+        proc = subprocess.Popen(
+            command(i, after, path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+        )
+        running[i] = (proc, path)
+
+    for i in range(workers):
+        start(i, None)
+    while running:
+        time.sleep(0.2)
+        for i, (proc, path) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            err = proc.stderr.read() if proc.stderr else b""
+            del running[i]
             started = None
             done: set[str] = set()
             if os.path.exists(path):
@@ -361,96 +393,129 @@ def run_isolated(
                             started = item["start"]
                         else:
                             rows.append(item)
-                            done.add(item["op"])
+                            done.add(f"{item['dtype']}:{item['op']}")
                 os.unlink(path)
             if proc.returncode == 0:
                 continue
             if started is None or started in done:
                 raise RuntimeError(f"sweep shard {i} failed: {err.decode()[-2000:]}")
+            dtype_name, _, op = started.partition(":")
             rows.append(
                 {
-                    "op": started,
+                    "op": op,
+                    "dtype": dtype_name,
                     "sample": -1,
                     "category": "error",
                     "why": f"the interpreter died (exit {proc.returncode})",
+                    "names_op": False,
                 }
             )
-            pending[i] = started
+            start(i, started)
+    rows.sort(key=lambda r: (r["dtype"], r["op"], r["sample"]))
     return rows
 
 
+def _plan_text(plan: Any) -> str:
+    return ",".join(f"{d}:{'all' if c is None else c}" for d, c in plan)
+
+
+def _plan_of(text: str) -> tuple[tuple[str, int | None], ...]:
+    out = []
+    for part in text.split(","):
+        dtype, _, cap = part.partition(":")
+        out.append((dtype, None if cap in ("", "all") else int(cap)))
+    return tuple(out)
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    by_sample = Counter(r["category"] for r in rows)
-    worst: dict[str, str] = {}
+    """Per dtype: samples per category, and ops by their worst sample."""
+    out: dict[str, Any] = {}
     order = {c: i for i, c in enumerate(("exact", "skip", "reported", "error", "silent"))}
+    for dtype in sorted({r["dtype"] for r in rows}):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        by_sample = Counter(r["category"] for r in mine)
+        worst: dict[str, str] = {}
+        for r in mine:
+            if order[r["category"]] >= order.get(worst.get(r["op"], "exact"), 0):
+                worst[r["op"]] = r["category"]
+        out[dtype] = {
+            "samples": {c: by_sample.get(c, 0) for c in CATEGORIES},
+            "ops": {c: sum(1 for v in worst.values() if v == c) for c in CATEGORIES},
+        }
+    return out
+
+
+def exact_per_op(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """dtype -> op -> how many of its samples are exact (the known-good counts)."""
+    out: dict[str, dict[str, int]] = {}
     for r in rows:
-        if order[r["category"]] >= order.get(worst.get(r["op"], "exact"), 0):
-            worst[r["op"]] = r["category"]
-    return {
-        "samples": {c: by_sample.get(c, 0) for c in CATEGORIES},
-        "ops": {c: sum(1 for v in worst.values() if v == c) for c in CATEGORIES},
-    }
+        ops = out.setdefault(r["dtype"], {})
+        ops[r["op"]] = ops.get(r["op"], 0) + (r["category"] == "exact")
+    return out
+
+
+def build_key() -> str:
+    """The torch build's release (``2.13.0``: local version labels dropped)."""
+    return torch.__version__.split("+")[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="the whole run's rows and summary")
     parser.add_argument("--jsonl", help="rows as they come, one JSON line each (for a parent)")
-    parser.add_argument("--after", default=None, help="go on after this op (a crash)")
+    parser.add_argument("--after", default=None, help="go on after this case (a crash)")
     parser.add_argument("--workers", type=int, default=0, help="isolated interpreters")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-samples", type=int, default=None)
+    parser.add_argument(
+        "--plan", default=_plan_text(PLAN), help="dtype:samples per op,... (all: every sample)"
+    )
     parser.add_argument("--ops", default=None)
     parser.add_argument("--shard", default="0/1")
     parser.add_argument("--unpatched", action="store_true", help="upstream torch alone")
+    parser.add_argument(
+        "--update-expected",
+        metavar="FILE",
+        help="write this build's exact counts per op into FILE (tests/opinfo_expected.json)",
+    )
     ns = parser.parse_args(argv)
     i, n = (int(x) for x in ns.shard.split("/"))
     ops = ns.ops.split(",") if ns.ops else None
+    plan = _plan_of(ns.plan)
     start = time.perf_counter()
     if ns.jsonl:
         with open(ns.jsonl, "w") as out:
-            sweep(
-                ns.device,
-                getattr(torch, ns.dtype),
-                ns.max_samples,
-                ops,
-                (i, n),
-                not ns.unpatched,
-                ns.after,
-                out,
-            )
+            sweep(ns.device, plan, ops, (i, n), not ns.unpatched, ns.after, out)
         return 0
     if ns.workers:
-        rows = run_isolated(
-            ns.device,
-            ns.dtype,
-            ns.max_samples,
-            ops,
-            ns.workers,
-            not ns.unpatched,
-            workdir=os.path.dirname(os.path.abspath(ns.json)),
-        )
+        workdir = os.path.dirname(os.path.abspath(ns.json or "."))
+        rows = run_isolated(ns.device, plan, ops, ns.workers, not ns.unpatched, workdir)
     else:
-        rows = sweep(
-            ns.device, getattr(torch, ns.dtype), ns.max_samples, ops, (i, n), not ns.unpatched
-        )
+        rows = sweep(ns.device, plan, ops, (i, n), not ns.unpatched)
     result = {
         "torch": torch.__version__,
         "device": ns.device,
-        "dtype": ns.dtype,
+        "plan": _plan_text(plan),
         "patched": not ns.unpatched,
-        "max_samples": ns.max_samples,
         "seconds": round(time.perf_counter() - start, 1),
         "summary": summary(rows),
         "rows": rows,
     }
-    with open(ns.json, "w") as f:
-        json.dump(result, f, indent=1)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if ns.update_expected:
+        expected = {}
+        if os.path.exists(ns.update_expected):
+            with open(ns.update_expected) as f:
+                expected = json.load(f)
+        expected[build_key()] = {"plan": _plan_text(plan), "exact": exact_per_op(rows)}
+        with open(ns.update_expected, "w") as f:
+            json.dump(expected, f, indent=1, sort_keys=True)
+            f.write("\n")
     print(json.dumps(result["summary"]))
     for r in rows:
         if r["category"] in ("silent", "error"):
-            print(r["category"], r["op"], r["sample"], r.get("why", "")[:200])
+            print(r["category"], r["dtype"], r["op"], r["sample"], r.get("why", "")[:200])
     return 0
 
 

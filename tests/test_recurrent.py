@@ -6,15 +6,17 @@ without (``torch.backends.cudnn.flags(enabled=False)``: CUDA's native kernels).
 Each case trains a model eagerly and under the patch with ``fakegrad_patch.verify`` (the zoo's
 comparison, tests/test_verify.py): two SGD-with-momentum steps, the second backward accumulating
 into the first's gradients; every parameter's gradient must be real and equal to eager's, on its
-device, with eager's strides, and so must the parameters after each step. Cases that fail for a
-cause outside these tests are xfail with that cause (tests/_pending.py).
+device, with eager's strides, and so must the parameters after each step. Since issue 39 nothing
+is pending: CPU's ``mkldnn_rnn_layer`` (a fake kernel that disagrees), packed sequences
+(``batch_sizes`` read with ``_local_scalar_dense``), CUDA's ``_thnn_fused_gru_cell`` (no meta
+kernel: the fallback's values) and ``_cudnn_rnn`` (a fake kernel that raises) take the real
+kernel's outputs or values; the CUDA cases await a GPU to confirm it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import _pending
 import _zoo
 import pytest
 import torch
@@ -30,11 +32,7 @@ T, B, F = 3, 3, 6
 
 @pytest.mark.filterwarnings("ignore::fakegrad_patch.FakeGradPatchWarning")
 @pytest.mark.parametrize("kind", ["GRUCell", "LSTMCell", "RNNCell"])
-def test_cell_unrolled_in_a_loop_trains_like_eager(
-    request: pytest.FixtureRequest, kind: str, device: torch.device
-) -> None:
-    if device.type == "cuda" and kind == "GRUCell":
-        _pending.xfail(request, _pending.GRU_FUSED_CELL)
+def test_cell_unrolled_in_a_loop_trains_like_eager(kind: str, device: torch.device) -> None:
     torch.manual_seed(0)
     model = _zoo.CellLoop(kind).to(device)
     x = torch.randn(T, B, F, device=device)
@@ -57,16 +55,6 @@ class Recurrent(nn.Module):
         return self.head(out), hidden
 
 
-def _expect(request: pytest.FixtureRequest, device: str, cudnn: bool | None, kind: str) -> None:
-    """The pending causes of nn.GRU / nn.LSTM / nn.RNN on this device and kernel."""
-    if device == "cpu" and kind == "LSTM":
-        _pending.xfail(request, _pending.MKLDNN_LSTM)
-    elif device == "cuda" and cudnn:
-        _pending.xfail(request, _pending.CUDNN_RNN)
-    elif device == "cuda" and kind == "GRU":
-        _pending.xfail(request, _pending.GRU_FUSED_CELL)
-
-
 @pytest.mark.filterwarnings("ignore::fakegrad_patch.FakeGradPatchWarning")
 @pytest.mark.parametrize(
     ("layers", "bidirectional"), [(1, False), (2, True)], ids=["1layer", "2layers-bidirectional"]
@@ -74,14 +62,12 @@ def _expect(request: pytest.FixtureRequest, device: str, cudnn: bool | None, kin
 @pytest.mark.parametrize("kind", ["GRU", "LSTM", "RNN"])
 @pytest.mark.parametrize(("device", "cudnn"), DEVICES_CUDNN)
 def test_recurrent_module_trains_like_eager(
-    request: pytest.FixtureRequest,
     device: str,
     cudnn: bool | None,
     kind: str,
     layers: int,
     bidirectional: bool,
 ) -> None:
-    _expect(request, device, cudnn, kind)
     torch.manual_seed(0)
     model = Recurrent(kind, layers, bidirectional).to(device)
     x = torch.randn(T, B, F, device=device)
@@ -93,12 +79,9 @@ def test_recurrent_module_trains_like_eager(
 @pytest.mark.filterwarnings("ignore::fakegrad_patch.FakeGradPatchWarning")
 @pytest.mark.parametrize("kind", ["GRU", "LSTM", "RNN"])
 @pytest.mark.parametrize(("device", "cudnn"), DEVICES_CUDNN)
-def test_packed_sequence_trains_like_eager(
-    request: pytest.FixtureRequest, device: str, cudnn: bool | None, kind: str
-) -> None:
+def test_packed_sequence_trains_like_eager(device: str, cudnn: bool | None, kind: str) -> None:
     """Sequences of different lengths, packed before the step (as a data loader's collate does),
     into a two-layer bidirectional layer."""
-    _pending.xfail(request, _pending.PACKED_SEQUENCE)
     torch.manual_seed(0)
     model = Recurrent(kind, 2, True).to(device)
     x = torch.randn(T, B, F, device=device)

@@ -56,9 +56,7 @@ CASES: dict[str, Cases] = {
     "buffers": Cases(
         ("write_back", " UPSTREAM ", "write-back"), ("writeback", "copy"), (1, True, b"upstream")
     ),
-    "propagation": Cases(
-        ("repair", " UPSTREAM "), ("repaired", "off", "fast"), (1, True, b"repair")
-    ),
+    "propagation": Cases(("fast", "repair", " UPSTREAM "), ("repaired", "off"), (1, True, b"fast")),
     # Every string an environment can hold is a valid path (sink problems are doctor's business).
     "path": Cases(("-", " - "), (), ("a\0b", 3, b"run.jsonl"), ("-", None)),
     "level": Cases(("debug", "INFO", "15"), ("loud", "-1", "1.5"), (True, -1, 1.5)),

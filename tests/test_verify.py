@@ -41,16 +41,12 @@ KNOWN_CORE_FAILURES = {
 
 #: Zoo models that fail on CUDA for a cause outside the patch's own mechanism (tests/_pending.py):
 #: xfail, not strict, on CUDA only. In the write-back variant, BatchNorm's running statistics too.
-CUDA_PENDING = {
-    "batchnorm_resnet": [_pending.BN_MASK_CUDA],  # BatchNorm1d(affine=False) on (N, C)
-    "tiny_transformer": [_pending.SDPA_EFFICIENT],  # float32 nn.MultiheadAttention
-    "rnn_cell_loop": [_pending.GRU_FUSED_CELL],
-}
+#: (BatchNorm1d(affine=False)'s backward mask, float32 attention's philox outputs and the GRU
+#: cell without a meta kernel are repaired in the core since issue 39: nothing pending there.)
+CUDA_PENDING: dict[str, list[str]] = {}
 CUDA_PENDING_WRITE_BACK = {
     "conv_bn_channels_last": [_pending.BN_WRITE_BACK_CUDA],
-    "batchnorm_resnet": [*CUDA_PENDING["batchnorm_resnet"], _pending.BN_WRITE_BACK_CUDA],
-    "tiny_transformer": CUDA_PENDING["tiny_transformer"],
-    "rnn_cell_loop": CUDA_PENDING["rnn_cell_loop"],
+    "batchnorm_resnet": [_pending.BN_WRITE_BACK_CUDA],
 }
 
 

@@ -580,7 +580,8 @@ class _Applied:
         settings = _config.current()
         want = settings.buffers == "write_back"
         try:
-            self.propagation.repair = settings.propagation == "repair"
+            self.propagation.repair = settings.propagation != "upstream"
+            self.propagation.fast = settings.propagation == "fast"
             self.values.plain_policy = settings.on_missing_explicit
             if self._active:
                 self.backward_site.set_policy(settings.on_missing_explicit or self._always)

@@ -72,27 +72,23 @@ class Propagation:
         self._lock = threading.Lock()
         #: ``FakeTensorMode.dispatch`` wrapped while needed (reports; write-back; repairs)
         self.observing = False
-        #: the repairs are on (``propagation="repair"``, the default)
+        #: the repairs are on (``propagation="fast"`` or ``"repair"``)
         self.repair = True
+        #: new-tensor ops take the real kernel's outputs directly (``propagation="fast"``)
+        self.fast = True
         self._sites: list[_sites.Site] = []
         self._policy = False
         # resolved once: every optional touch point may be absent on a build
-        self._refusals: tuple[type[BaseException], ...] = tuple(
-            cls
-            for cls in (
-                _targets._resolve_optional(_targets.DYNAMIC_OUTPUT_SHAPE),
-                _targets._resolve_optional(_targets.DATA_DEPENDENT_OUTPUT),
-                _targets._resolve_optional(_targets.UNSUPPORTED_OPERATOR),
-                _targets._resolve_optional(_targets.METADATA_MISMATCH_ERROR),
-            )
-            if isinstance(cls, type) and issubclass(cls, BaseException)
-        )
         self._from_meta = _targets._resolve_optional(_targets.FROM_META_AND_DEVICE)
         self._can_read_frames = (
             _targets._resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT) is not None
         )
         #: repairs made in this process, by kind (tests, ``status()``)
         self.counts: dict[str, int] = {}
+        #: ops that took the fast path in this process (a statistic)
+        self.fast_ops = 0
+        #: ops the mode answers from metadata: handed straight on
+        self._direct = _targets.direct_ops(resolved.fake_tensor_module)
         write_back.attach(self)
 
     # -- on / off --------------------------------------------------------------------------------
@@ -185,6 +181,7 @@ class Propagation:
             not self.observing
             or not getattr(mode, "propagate_real_tensors", False)
             or getattr(mode, "shape_env", None) is not None
+            or (args and args[0] in self._direct)
         ):
             return wrapped(*args, **kwargs)
         stack = self._stack()
@@ -239,23 +236,33 @@ class Propagation:
             self._applied.internal_error("dispatch", exc)
 
     def _call(self, wrapped: Any, args: Any, kwargs: Any, mode: Any, func: Any, op: Any) -> Any:
-        """Upstream's dispatch; a fake kernel that refuses after the real kernel ran gives way
-        to the real kernel's outputs."""
+        """Upstream's dispatch; when its fake side fails after the real kernel ran (a fake
+        kernel that refuses, disagrees, is missing or raises; propagation's own cross-check),
+        the real kernel's outputs. Upstream's schema checks of custom ops (mutation, aliasing)
+        stand, but for its false report on ``None`` optional arguments."""
+        if self.fast:
+            kind = _KIND.get(func)
+            if kind is None:
+                kind = _KIND[func] = _kind(func, mode)
+            if kind is not _OTHER:
+                result = (
+                    self._fast(mode, func, op)
+                    if kind is _NEW
+                    else self._view(wrapped, args, kwargs, mode, func, op)
+                )
+                if result is not _NOT_FAST:
+                    return result
         try:
             return wrapped(*args, **kwargs)
-        except self._refusals as exc:
+        except Exception as exc:
             if not self.repair:
+                raise
+            tb = exc.__traceback__
+            if _targets.raised_by_schema_check(tb) and not _false_mutation(exc, func, op):
                 raise
             result = self._recover(exc, mode, func)
             if result is _targets.NO_REAL_OUT:
                 self._applied._mismatch.report(exc)  # a metadata mismatch, said plainly
-                raise
-            return result
-        except RuntimeError as exc:
-            if not self.repair or not _false_mutation(exc, func, op):
-                raise
-            result = self._recover(exc, mode, func)
-            if result is _targets.NO_REAL_OUT:
                 raise
             return result
 
@@ -312,6 +319,138 @@ class Propagation:
                 fake.real_tensor = real
         return fake_out
 
+    # -- the fast path -----------------------------------------------------------------------------
+
+    def _fast(self, mode: Any, func: Any, op: Any) -> Any:
+        """An op that makes new tensors from its arguments (no alias, no write in its schema),
+        every fake argument this mode's with real values: the real kernel on those values, and
+        fakes made from its outputs; upstream's fake implementation, the second real run of its
+        decomposition and the cross-check are skipped (issue 41). ``_NOT_FAST`` otherwise (then
+        nothing ran)."""
+        op_args, op_kwargs = op
+        is_fake = self._is_fake
+        real_args: list[Any] = []
+        for value in op_args:
+            real = self._real_value(mode, value, is_fake)
+            if real is _NOT_FAST:
+                return _NOT_FAST
+            real_args.append(real)
+        real_kwargs: dict[str, Any] = {}
+        for name, value in op_kwargs.items():
+            real = self._real_value(mode, value, is_fake)
+            if real is _NOT_FAST:
+                return _NOT_FAST
+            real_kwargs[name] = real
+        real_out = func(*real_args, **real_kwargs)
+        try:
+            result = self._from_real(mode, real_out)
+        except _CannotRebuild:
+            # a sparse or subclass output: the converter's own fakes (rare)
+            result = _map_tensors(
+                lambda t: mode.fake_tensor_converter.from_real_tensor(mode, t), real_out
+            )
+        self.fast_ops += 1
+        if trace.enabled(trace.DEBUG):
+            trace.emit("propagation_fast", trace.DEBUG, op=str(func))
+        return result
+
+    def _view(self, wrapped: Any, args: Any, kwargs: Any, mode: Any, func: Any, op: Any) -> Any:
+        """A view op (its returns alias an argument; it writes none), every fake argument this
+        mode's with real values: upstream makes the fake view without real values (its
+        arguments' values hidden for the call: no real run, no cross-check), then the view's
+        values are the real view op on the arguments' values (what upstream's propagation
+        computes, aliasing them as it does). Real arguments are converted first, as upstream
+        converts them. ``_NOT_FAST`` when the arguments do not allow it (nothing ran)."""
+        op_args, op_kwargs = op
+        is_fake = self._is_fake
+        fakes: dict[int, Any] = {}
+        fake_args: list[Any] = []
+        real_args: list[Any] = []
+        for value in op_args:
+            pair = self._fake_and_real(mode, value, is_fake, fakes)
+            if pair is _NOT_FAST:
+                return _NOT_FAST
+            fake_args.append(pair[0])
+            real_args.append(pair[1])
+        fake_kwargs: dict[str, Any] = {}
+        real_kwargs: dict[str, Any] = {}
+        for name, value in op_kwargs.items():
+            pair = self._fake_and_real(mode, value, is_fake, fakes)
+            if pair is _NOT_FAST:
+                return _NOT_FAST
+            fake_kwargs[name] = pair[0]
+            real_kwargs[name] = pair[1]
+        hidden = [(fake, fake.real_tensor) for fake in fakes.values()]
+        with self._r.no_dispatch():
+            for fake, _ in hidden:
+                fake.real_tensor = None
+        try:
+            types = args[1] if len(args) > 1 else kwargs.get("types", ())
+            fake_out = wrapped(func, types, tuple(fake_args), fake_kwargs)
+        finally:
+            with self._r.no_dispatch():
+                for fake, real in hidden:
+                    fake.real_tensor = real
+        real_out = func(*real_args, **real_kwargs)
+        try:
+            result = self._with_values(fake_out, real_out)
+        except _CannotRebuild:
+            result = fake_out  # no values: reported where a gradient needs them
+        self.fast_ops += 1
+        if trace.enabled(trace.DEBUG):
+            trace.emit("propagation_fast", trace.DEBUG, op=str(func))
+        return result
+
+    def _fake_and_real(self, mode: Any, value: Any, is_fake: Any, fakes: dict[int, Any]) -> Any:
+        """``(the fake argument, its real value)`` for :meth:`_view`; the fakes whose values
+        are hidden for the call are collected in ``fakes``."""
+        if isinstance(value, torch.Tensor):
+            fake = value
+            if not is_fake(value):
+                if not _convertible(mode, value):
+                    return _NOT_FAST
+                fake = mode.fake_tensor_converter.from_real_tensor(mode, value)
+            elif value.fake_mode is not mode or value.layout != torch.strided:
+                return _NOT_FAST
+            real = fake.real_tensor
+            if real is None:
+                return _NOT_FAST
+            fakes[id(fake)] = fake
+            return fake, real
+        if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
+            pairs = [self._fake_and_real(mode, item, is_fake, fakes) for item in value]
+            if any(p is _NOT_FAST for p in pairs):
+                return _NOT_FAST
+            kind = type(value) if isinstance(value, tuple) else list
+            return kind(p[0] for p in pairs), kind(p[1] for p in pairs)
+        return value, value
+
+    def _real_value(self, mode: Any, value: Any, is_fake: Any) -> Any:
+        """An argument's real value: a fake of ``mode`` with values, its values; a real tensor,
+        its conversion's (the patch's conversion path: arming, D2, records), as upstream
+        converts it; a list of tensors, each; anything else, itself. ``_NOT_FAST`` for what
+        upstream must see (another mode's fake, no values, a subclass, not strided)."""
+        if isinstance(value, torch.Tensor):
+            if is_fake(value):
+                if value.fake_mode is not mode or value.layout != torch.strided:
+                    return _NOT_FAST
+                real = value.real_tensor
+                return _NOT_FAST if real is None else real
+            if not _convertible(mode, value):
+                return _NOT_FAST
+            fake = mode.fake_tensor_converter.from_real_tensor(mode, value)
+            real = getattr(fake, "real_tensor", None)
+            return _NOT_FAST if real is None else real
+        if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor | None):
+            out = []
+            for item in value:
+                real = self._real_value(mode, item, is_fake)
+                if real is _NOT_FAST:
+                    return _NOT_FAST
+                out.append(real)
+            return type(value)(out) if isinstance(value, tuple) else out
+        return value
+
     # -- outputs made from the real kernel's ------------------------------------------------------
 
     def _from_real(self, mode: Any, real_out: Any) -> Any:
@@ -336,10 +475,14 @@ class Propagation:
         ):
             raise _CannotRebuild
         with self._r.no_dispatch():
-            extent = _extent(real)
-            meta = torch.empty(extent, dtype=real.dtype, device="meta").as_strided(
-                real.shape, real.stride(), real.storage_offset()
-            )
+            if real.storage_offset() == 0:
+                meta = torch.empty_strided(
+                    real.shape, real.stride(), dtype=real.dtype, device="meta"
+                )
+            else:
+                meta = torch.empty(_extent(real), dtype=real.dtype, device="meta").as_strided(
+                    real.shape, real.stride(), real.storage_offset()
+                )
             fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
             fake.real_tensor = real
         return fake
@@ -443,6 +586,63 @@ class Propagation:
 
     def _count(self, kind: str) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1  # a statistic: races are harmless
+
+
+_NOT_FAST = object()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: what the fast path does with an op: make new tensors, a view, or upstream's path
+_NEW, _VIEW_OP, _OTHER = "new", "view", "other"
+#: op -> its kind (decided at its first call)
+_KIND: dict[Any, str] = {}
+_TENSORS = ("Tensor", "Tensor?", "Tensor[]", "List[Tensor]", "Optional[Tensor]")
+#: aten ops whose kernels write arguments their schemas do not mark written: BatchNorm's
+#: running statistics (``Tensor? running_mean``), the RNNs' dropout state. Their writes are seen
+#: through upstream's path (the decomposition's nested ``copy_``: write-back or the lost-update
+#: report), so they never take the fast path. tests/test_propagation.py scans every aten schema
+#: of the installed build for such arguments and checks that this list holds them all.
+HIDDEN_WRITES = frozenset(
+    {"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm", "_cudnn_rnn", "miopen_rnn"}
+)
+
+
+def _convertible(mode: Any, t: Any) -> bool:
+    """A real tensor the fast path converts as upstream would: a plain strided tensor (or
+    Parameter), in a mode that allows real inputs (else upstream's error stands)."""
+    return type(t) in _PLAIN and t.layout == torch.strided and bool(mode.allow_non_fake_inputs)
+
+
+def _kind(func: Any, mode: Any) -> str:
+    """How the fast path takes ``func``: ``_NEW``, an aten op whose schema writes no argument,
+    aliases none in its returns, and returns only tensors; ``_VIEW_OP``, an aten op whose
+    returns (tensors) all alias an argument and which writes none; ``_OTHER``, upstream's
+    path (in-place and ``out=`` ops, ``inplace_view`` ops, constants' lift functions, ops that
+    return numbers, other namespaces)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or getattr(func, "namespace", None) != "aten" or not schema.returns:
+        return _OTHER
+    if func in getattr(mode, "lift_fns", ()) or torch.Tag.inplace_view in func.tags:
+        return _OTHER
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return _OTHER
+    if schema.name.partition("::")[2] in HIDDEN_WRITES:
+        return _OTHER
+    if any(str(r.type) not in _TENSORS for r in schema.returns):
+        return _OTHER
+    aliased = [r.alias_info is not None for r in schema.returns]
+    if not any(aliased) and not any(a.alias_info is not None for a in schema.arguments):
+        return _NEW
+    if all(aliased):
+        return _VIEW_OP
+    return _OTHER
+
+
+def _map_tensors(fn: Any, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple | list):
+        made = [_map_tensors(fn, v) for v in value]
+        return type(value)(*made) if hasattr(value, "_fields") else type(value)(made)
+    return value
 
 
 class _CannotRebuild(Exception):

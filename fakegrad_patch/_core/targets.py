@@ -14,6 +14,7 @@ absent): the patch refuses to apply there, with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 from collections.abc import Callable
@@ -348,38 +349,19 @@ RUN_FALLBACK_KERNEL = Target(
 #: propagated values (``real_out is nil`` when it did not run: an argument without values);
 #: and ``fake_out``, the argument of its inner ``maybe_propagate_real_tensors`` (the fake
 #: kernel's output being checked against it).
-#: Read from the running frame (the fallback kernel) or from a raised exception's traceback (a
-#: fake kernel that refused or disagreed after the real kernel ran): the real kernel is what
-#: eager runs, so the op's fake outputs are made from its outputs. Same names on 2.4.0, 2.13.0,
+#: Read from the running frame (the fallback kernel) or from a raised exception's traceback (the
+#: fake side failed after the real kernel ran: a fake kernel that refuses without a ShapeEnv,
+#: ``DynamicOutputShapeException``/``DataDependentOutputException``, a missing one,
+#: ``UnsupportedOperatorException``, one that disagrees, ``MetadataMismatchError``, or one that
+#: raises; the frames of ``torch/_library/utils.py`` tell upstream's schema checks of custom ops
+#: apart): the real kernel is what eager runs, so the op's fake outputs are made from its
+#: outputs. Same names on 2.4.0, 2.13.0,
 #: 2.14.1 and 2.15.0. Absent: no repair, upstream's behaviour (an exception, or the report).
 DISPATCH_IMPL_REAL_OUT = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorMode._dispatch_impl",
     "optional: the real kernel's output of the op being dispatched (frame locals)",
     ("2.4.0", "2.13.0+cpu", "2.14.1+cu130", "2.15.0"),
-)
-
-#: READ, OPTIONAL. The exceptions a fake kernel raises where it cannot say what the real kernel
-#: would return without its values: ``DynamicOutputShapeException`` (``nonzero``,
-#: ``masked_select``, ``unique``, ``repeat_interleave``: the output's shape is data-dependent),
-#: ``DataDependentOutputException`` (``_local_scalar_dense``: ``.item()``, ``bool()``;
-#: ``aten.equal``), ``UnsupportedOperatorException`` (no fake kernel, fallback not allowed).
-#: In a propagating mode without a ShapeEnv every real value is known: caught around the op
-#: (the real kernel ran first), its outputs are made from the real kernel's.
-DYNAMIC_OUTPUT_SHAPE = Target(
-    "torch._subclasses.fake_tensor",
-    "DynamicOutputShapeException",
-    "optional: data-dependent ops in a propagating mode take the real kernel's output",
-)
-DATA_DEPENDENT_OUTPUT = Target(
-    "torch._subclasses.fake_tensor",
-    "DataDependentOutputException",
-    "optional: .item(), bool(), aten.equal in a propagating mode take the real kernel's value",
-)
-UNSUPPORTED_OPERATOR = Target(
-    "torch._subclasses.fake_tensor",
-    "UnsupportedOperatorException",
-    "optional: ops without a fake kernel in a propagating mode take the real kernel's output",
 )
 
 #: CALLED, OPTIONAL. ``FakeTensorConverter.from_meta_and_device(fake_mode, meta, device)``:
@@ -391,6 +373,17 @@ FROM_META_AND_DEVICE = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorConverter.from_meta_and_device",
     "optional: fake outputs made from a real kernel's outputs",
+)
+
+#: READ, OPTIONAL. ``_DISPATCH_META_HANDLERS`` (a dict: ``prim.device``, ``aten.sym_size``, ...)
+#: and ``_DISPATCH_HANDLE_DIRECTLY`` (a set: ``aten.is_coalesced``, ...): the ops
+#: ``FakeTensorMode.dispatch`` answers itself from the fakes' metadata, before any fake kernel or
+#: real-value propagation. The dispatch wrapper hands them straight on (``prim.device`` alone is
+#: called ~5 times per op of a propagating step). Absent: they take the wrapper's usual path.
+DISPATCH_DIRECT_OPS = Target(
+    FAKE_TENSOR_MODULE,
+    "_DISPATCH_META_HANDLERS",
+    "optional: ops the mode answers from metadata pass the dispatch wrapper at once",
 )
 
 ALL_TARGETS: tuple[Target, ...] = (
@@ -418,10 +411,8 @@ ALL_TARGETS: tuple[Target, ...] = (
     SCRIPT_BUILTINS,
     RUN_FALLBACK_KERNEL,
     DISPATCH_IMPL_REAL_OUT,
-    DYNAMIC_OUTPUT_SHAPE,
-    DATA_DEPENDENT_OUTPUT,
-    UNSUPPORTED_OPERATOR,
     FROM_META_AND_DEVICE,
+    DISPATCH_DIRECT_OPS,
 )
 
 #: Targets whose absence degrades a detail instead of blocking the patch.
@@ -441,10 +432,8 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
         SCRIPT_BUILTINS,
         RUN_FALLBACK_KERNEL,
         DISPATCH_IMPL_REAL_OUT,
-        DYNAMIC_OUTPUT_SHAPE,
-        DATA_DEPENDENT_OUTPUT,
-        UNSUPPORTED_OPERATOR,
         FROM_META_AND_DEVICE,
+        DISPATCH_DIRECT_OPS,
     }
 )
 
@@ -749,6 +738,18 @@ def _dispatch_impl_locals(frame: Any, mode_cls: type) -> dict[str, Any] | None:
 _NO_REAL_OUT = object()
 
 
+def direct_ops(module: Any) -> frozenset[Any]:
+    """The ops ``FakeTensorMode.dispatch`` answers itself (DISPATCH_DIRECT_OPS); empty where
+    unreadable."""
+    handlers = getattr(module, "_DISPATCH_META_HANDLERS", None)
+    directly = getattr(module, "_DISPATCH_HANDLE_DIRECTLY", None)
+    out: set[Any] = set()
+    for table in (handlers, directly):
+        with contextlib.suppress(TypeError):
+            out.update(table or ())
+    return frozenset(out)
+
+
 def real_out_of(local: dict[str, Any] | None) -> Any:
     """The real kernel's output in a ``_dispatch_impl`` frame's locals (DISPATCH_IMPL_REAL_OUT),
     or ``NO_REAL_OUT`` when it did not run or cannot be read."""
@@ -802,6 +803,25 @@ def raised_fake_out(tb: Any) -> Any:
             return frame.f_locals["fake_out"]
         tb = tb.tb_next
     return _NO_REAL_OUT
+
+
+def raised_by_schema_check(tb: Any) -> bool:
+    """Was the error raised by upstream's schema checks of a custom op's real run
+    (``torch._library.utils``: ``MutationChecker.check``, ``check_aliasing_constraint``)?"""
+    innermost = None
+    for _ in range(64):
+        if tb is None:
+            break
+        innermost = tb.tb_frame
+        tb = tb.tb_next
+    while innermost is not None:
+        code = innermost.f_code
+        if code.co_filename.replace("\\", "/").endswith("torch/_library/utils.py"):
+            return True
+        if code.co_name == "_dispatch_impl":
+            return False
+        innermost = innermost.f_back
+    return False
 
 
 def _make_dispatching_op(mode_cls: type) -> Callable[[], tuple[Any, Any, Any] | None]:

@@ -5,8 +5,10 @@ The same small conv net is trained one step three times from the same weights:
 * eager: the reference gradients and updated weights;
 * unpatched: parameters inside ``FakeTensorMode(allow_non_fake_inputs=True)`` with real-value
   propagation on, upstream torch: the parameters receive FakeTensor gradients and SGD does nothing;
-* patched: the same with fakegrad_patch installed: real gradients land on the parameters, equal to
-  eager, and the step moves the weights like eager.
+* patched: the same with fakegrad_patch installed, and ``buffers="write_back"`` (the setting the
+  patch recommends for models with BatchNorm: the running statistics the forward updates in
+  place reach the real buffers, as in eager mode): real gradients land on the parameters, equal
+  to eager, the step moves the weights like eager, and the buffers end as eager's.
 
 It prints the three side by side, then the trace of the patched run as ``python -m fakegrad_patch
 trace`` summarizes it. Exit status 0 only when the patched run matches eager.
@@ -93,8 +95,8 @@ def main(argv: list[str]) -> int:
         trace_path = args.trace or os.path.join(tempfile.mkdtemp(), "fakegrad-demo.jsonl")
         previous = trace.configure_trace(path=trace_path, level="info")
         try:
-            fakegrad_patch.install()
-            _step(patched, x, y, fake=True)
+            with fakegrad_patch.patched(buffers="write_back"):
+                _step(patched, x, y, fake=True)
         finally:
             trace.restore(previous)
 
@@ -125,6 +127,22 @@ def main(argv: list[str]) -> int:
                 "== eager" if moved_like_eager else "!= eager",
             )
         )
+    for (name, b_eager), b_un, b_pa in zip(
+        eager.named_buffers(), unpatched.buffers(), patched.buffers(), strict=True
+    ):
+        if not b_eager.dtype.is_floating_point:
+            continue  # num_batches_tracked: an all-real op, right in every run
+        same = torch.equal(b_pa, b_eager)
+        ok = ok and same
+        rows.append(
+            (
+                f"{name} (buffer)",
+                f"{b_eager.abs().max().item():.3e}",
+                "== eager" if torch.equal(b_un, b_eager) else "stale (update lost)",
+                "== eager (buffers='write_back')" if same else "!= eager",
+                "",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
@@ -135,7 +153,9 @@ def main(argv: list[str]) -> int:
     _trace_reader.main([trace_path])
     print(
         "\nresult:",
-        "patched gradients and SGD step equal eager" if ok else "MISMATCH (please report)",
+        "patched gradients, SGD step and BatchNorm statistics equal eager"
+        if ok
+        else "MISMATCH (please report)",
     )
     sys.stdout.flush()
     return 0 if ok else 1

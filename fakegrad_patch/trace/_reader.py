@@ -79,6 +79,9 @@ KNOWN_EVENTS = frozenset(
         "buffer_written_back",
         "buffer_not_written_back",
         "propagation_mismatch",
+        # issue 39: what the patch does to propagation itself
+        "propagation_rebuilt",
+        "propagation_repaired",
         # issue 25: in-place updates of real tensors inside the mode
         "update_lost",
         "optimizer_state_materialized",
@@ -202,6 +205,9 @@ class Process:
     #: in-place updates of real tensors that reached only a fake copy: (kind, op) -> count
     updates_lost: Counter[str] = field(default_factory=Counter)
     optimizer_states: int = 0
+    #: issue 39: ops whose outputs were made from the real kernel's; values repaired
+    rebuilt: int = 0
+    repaired: int = 0
     mirrored: int = 0
     materialize_calls: int = 0
     #: materialize() results without real values, by policy: (dropped, kept, missing) summed
@@ -225,6 +231,8 @@ class Process:
             "buffers_not_written": self.buffers_not_written,
             "updates_lost": dict(self.updates_lost),
             "optimizer_states_materialized": self.optimizer_states,
+            "ops_rebuilt": self.rebuilt,
+            "values_repaired": self.repaired,
             "mirrored": self.mirrored,
             "materialize_calls": self.materialize_calls,
             "materialize_missing": dict(self.materialize_missing),
@@ -352,6 +360,10 @@ class Summary:
             _tally(proc.updates_lost, f"{what} ({record.get('op')})")
         elif event == "optimizer_state_materialized":
             proc.optimizer_states += 1
+        elif event == "propagation_rebuilt":
+            proc.rebuilt += 1
+        elif event == "propagation_repaired":
+            proc.repaired += 1
         elif event == "mirrored":
             proc.mirrored += 1
         elif event == "materialized":
@@ -677,6 +689,8 @@ def render_text(summary: Summary, out: TextIO) -> None:
                 ("buffers NOT written back", proc.buffers_not_written),
                 ("updates lost", sum(proc.updates_lost.values())),
                 ("optimizer states made real", proc.optimizer_states),
+                ("ops from the real kernel's outputs", proc.rebuilt),
+                ("propagated values repaired", proc.repaired),
                 ("mirrored", proc.mirrored),
                 ("materialize() calls", proc.materialize_calls),
             )

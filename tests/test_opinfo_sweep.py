@@ -1,0 +1,89 @@
+"""Issue 39: PyTorch's own operator database as the test family (tests/opinfo_sweep.py).
+
+Every op of ``op_db`` that supports autograd, in float32 (and bfloat16 where the op supports it),
+its first samples (``opinfo_sweep.PLAN``: capped for the CI's time), eager gradients against one
+patched propagating pass. Asserted:
+
+* **no silent difference**: every sample is exact, reported (a FakeGradPatchWarning with its
+  warning-level trace event), an error, or skipped (eager itself fails);
+* every error names the op (its message, or the note the patch adds on Python 3.11+);
+* the known-good counts of this build (tests/opinfo_expected.json, per op and dtype, made with
+  ``python tests/opinfo_sweep.py --workers 2 --update-expected tests/opinfo_expected.json``):
+  an op with fewer exact samples than recorded fails, by name.
+
+The categories are written to a JSON beside the run (``FAKEGRAD_SWEEP_DIR``, set by tox.ini to
+the env's work directory; a temporary directory otherwise); docs/how-it-works.md summarises them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import opinfo_sweep
+import pytest
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+EXPECTED = HERE / "opinfo_expected.json"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    work = tmp_path_factory.mktemp("sweep")
+    workers = max(1, min(2, os.cpu_count() or 1))
+    rows = opinfo_sweep.run_isolated("cpu", opinfo_sweep.PLAN, workers=workers, workdir=str(work))
+    result = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "plan": opinfo_sweep._plan_text(opinfo_sweep.PLAN),
+        "summary": opinfo_sweep.summary(rows),
+        "rows": rows,
+    }
+    out_dir = pathlib.Path(os.environ.get("FAKEGRAD_SWEEP_DIR") or work)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"opinfo-sweep-torch{opinfo_sweep.build_key()}.json").write_text(
+        json.dumps(result, indent=1)
+    )
+    return result
+
+
+@pytest.mark.slow
+def test_no_sample_differs_from_eager_without_a_word(sweep: dict) -> None:
+    silent = [r for r in sweep["rows"] if r["category"] == "silent"]
+    assert not silent, "\n".join(
+        f"{r['dtype']} {r['op']}[{r['sample']}]: {r['why']}" for r in silent
+    )
+    assert sum(s["samples"]["exact"] for s in sweep["summary"].values()) > 0
+
+
+@pytest.mark.slow
+def test_every_error_names_the_op(sweep: dict) -> None:
+    if sys.version_info < (3, 11):
+        pytest.skip("the note naming the op needs Python 3.11 (exception notes)")
+    unnamed = [
+        r
+        for r in sweep["rows"]
+        if r["category"] == "error" and not r.get("names_op") and "interpreter died" not in r["why"]
+    ]
+    assert not unnamed, "\n".join(
+        f"{r['dtype']} {r['op']}[{r['sample']}]: {r['why']}" for r in unnamed
+    )
+
+
+@pytest.mark.slow
+def test_known_good_counts_hold(sweep: dict) -> None:
+    expected = json.loads(EXPECTED.read_text()).get(opinfo_sweep.build_key())
+    if expected is None:
+        pytest.skip(f"no known-good counts recorded for torch {opinfo_sweep.build_key()}")
+    assert expected["plan"] == sweep["plan"], "the counts were recorded with another plan"
+    got = opinfo_sweep.exact_per_op(sweep["rows"])
+    fewer = [
+        f"{dtype} {op}: {got.get(dtype, {}).get(op, 0)} exact samples, {count} recorded"
+        for dtype, ops in expected["exact"].items()
+        for op, count in ops.items()
+        if got.get(dtype, {}).get(op, 0) < count
+    ]
+    assert not fewer, "\n".join(fewer)
