@@ -405,14 +405,14 @@ class Propagation:
         """``(the fake argument, its real value)`` for :meth:`_view`; the fakes whose values
         are hidden for the call are collected in ``fakes``."""
         if isinstance(value, torch.Tensor):
-            fake = value
+            fake: Any = value
             if not is_fake(value):
                 if not _convertible(mode, value):
                     return _NOT_FAST
                 fake = mode.fake_tensor_converter.from_real_tensor(mode, value)
-            elif value.fake_mode is not mode or value.layout != torch.strided:
+            elif getattr(value, "fake_mode", None) is not mode or value.layout != torch.strided:
                 return _NOT_FAST
-            real = fake.real_tensor
+            real = getattr(fake, "real_tensor", None)
             if real is None:
                 return _NOT_FAST
             fakes[id(fake)] = fake
@@ -432,9 +432,9 @@ class Propagation:
         upstream must see (another mode's fake, no values, a subclass, not strided)."""
         if isinstance(value, torch.Tensor):
             if is_fake(value):
-                if value.fake_mode is not mode or value.layout != torch.strided:
+                if getattr(value, "fake_mode", None) is not mode or value.layout != torch.strided:
                     return _NOT_FAST
-                real = value.real_tensor
+                real = getattr(value, "real_tensor", None)
                 return _NOT_FAST if real is None else real
             if not _convertible(mode, value):
                 return _NOT_FAST
