@@ -257,8 +257,12 @@ class Propagation:
         except Exception as exc:
             if not self.repair:
                 raise
-            tb = exc.__traceback__
-            if _targets.raised_by_schema_check(tb) and not _false_mutation(exc, func, op):
+            # (no local holds the traceback: a frame -> traceback -> frame cycle would keep the
+            # op's fakes for the garbage collector, which on 2.4 clears the __dict__ of a fake
+            # that autograd still holds: "FakeTensor object has no attribute fake_mode")
+            if _targets.raised_by_schema_check(exc.__traceback__) and not _false_mutation(
+                exc, func, op
+            ):
                 raise
             result = self._recover(exc, mode, func)
             if result is _targets.NO_REAL_OUT:
@@ -271,8 +275,7 @@ class Propagation:
         tensors), or the fake kernel's with the real kernel's values (a view or an in-place
         op whose fake outputs agree in sizes, dtype and device); ``NO_REAL_OUT`` when neither
         is possible (upstream's error stands)."""
-        tb = exc.__traceback__
-        real_out = _targets.raised_real_out(tb, mode)
+        real_out = _targets.raised_real_out(exc.__traceback__, mode)
         if real_out is _targets.NO_REAL_OUT:
             return real_out
         kept = "real"
@@ -280,7 +283,7 @@ class Propagation:
             if _fresh_outputs(func):
                 result = self._from_real(mode, real_out)
             else:
-                fake_out = _targets.raised_fake_out(tb)
+                fake_out = _targets.raised_fake_out(exc.__traceback__)
                 if fake_out is _targets.NO_REAL_OUT:
                     return fake_out
                 result = self._with_values(fake_out, real_out)
