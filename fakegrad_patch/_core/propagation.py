@@ -80,6 +80,7 @@ class Propagation:
         self._policy = False
         # resolved once: every optional touch point may be absent on a build
         self._from_meta = _targets._resolve_optional(_targets.FROM_META_AND_DEVICE)
+        self._in_kernel = _targets._resolve_optional(_targets.IN_KERNEL_INVOCATION)
         self._can_read_frames = (
             _targets._resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT) is not None
         )
@@ -359,74 +360,80 @@ class Propagation:
 
     def _view(self, wrapped: Any, args: Any, kwargs: Any, mode: Any, func: Any, op: Any) -> Any:
         """A view op (its returns alias an argument; it writes none), every fake argument this
-        mode's with real values: upstream makes the fake view without real values (its
-        arguments' values hidden for the call: no real run, no cross-check), then the view's
-        values are the real view op on the arguments' values (what upstream's propagation
-        computes, aliasing them as it does). Real arguments are converted first, as upstream
-        converts them. ``_NOT_FAST`` when the arguments do not allow it (nothing ran)."""
+        mode's with real values: the real view op on the arguments' values (what upstream's
+        propagation computes, aliasing them), and for each real view the fake view of the same
+        sizes, strides and offset over the aliased fake argument's storage (``as_strided`` on
+        its meta representation: the fakes alias exactly as the real tensors do). Upstream's
+        view (its meta kernels and decompositions, uncached in a propagating mode) is skipped.
+        ``_NOT_FAST`` when the arguments do not allow it (nothing ran)."""
+        if self._in_kernel is None or self._from_meta is None:
+            return _NOT_FAST
+        base_index = _VIEW_BASE.get(func)
+        if base_index is None:
+            base_index = _VIEW_BASE[func] = _view_base(func)
         op_args, op_kwargs = op
+        if base_index < 0 or base_index >= len(op_args):
+            return _NOT_FAST
+        base = op_args[base_index]
         is_fake = self._is_fake
-        fakes: dict[int, Any] = {}
-        fake_args: list[Any] = []
-        real_args: list[Any] = []
-        for value in op_args:
-            pair = self._fake_and_real(mode, value, is_fake, fakes)
-            if pair is _NOT_FAST:
+        if not isinstance(base, torch.Tensor):
+            return _NOT_FAST
+        if not is_fake(base):
+            if not _convertible(mode, base):
                 return _NOT_FAST
-            fake_args.append(pair[0])
-            real_args.append(pair[1])
-        fake_kwargs: dict[str, Any] = {}
+            base = mode.fake_tensor_converter.from_real_tensor(mode, base)
+        elif getattr(base, "fake_mode", None) is not mode or base.layout != torch.strided:
+            return _NOT_FAST
+        base_real = getattr(base, "real_tensor", None)
+        if base_real is None or _lazy_bits(base_real) or not _same_metadata(base, base_real):
+            return _NOT_FAST  # the fake's layout is not the real one's: upstream's view
+        real_args: list[Any] = []
+        for index, value in enumerate(op_args):
+            real = base_real if index == base_index else self._real_value(mode, value, is_fake)
+            if real is _NOT_FAST:
+                return _NOT_FAST
+            real_args.append(real)
         real_kwargs: dict[str, Any] = {}
         for name, value in op_kwargs.items():
-            pair = self._fake_and_real(mode, value, is_fake, fakes)
-            if pair is _NOT_FAST:
+            real = self._real_value(mode, value, is_fake)
+            if real is _NOT_FAST:
                 return _NOT_FAST
-            fake_kwargs[name] = pair[0]
-            real_kwargs[name] = pair[1]
-        hidden = [(fake, fake.real_tensor) for fake in fakes.values()]
-        with self._r.no_dispatch():
-            for fake, _ in hidden:
-                fake.real_tensor = None
-        try:
-            types = args[1] if len(args) > 1 else kwargs.get("types", ())
-            fake_out = wrapped(func, types, tuple(fake_args), fake_kwargs)
-        finally:
-            with self._r.no_dispatch():
-                for fake, real in hidden:
-                    fake.real_tensor = real
+            real_kwargs[name] = real
         real_out = func(*real_args, **real_kwargs)
+        ptr = _storage(base_real)
         try:
-            result = self._with_values(fake_out, real_out)
+            with self._in_kernel(mode):
+                result = _map_tensors(lambda r: self._view_of(mode, base, ptr, r), real_out)
         except _CannotRebuild:
-            result = fake_out  # no values: reported where a gradient needs them
+            # not a view of the base (a copy), a view that changes the dtype or sets the
+            # conjugate or negative bit, or out of the fake storage's bounds: upstream's view,
+            # its own values (the real view had no side effect)
+            return wrapped(*args, **kwargs)
         self.fast_ops += 1
         if trace.enabled(trace.DEBUG):
             trace.emit("propagation_fast", trace.DEBUG, op=str(func))
         return result
 
-    def _fake_and_real(self, mode: Any, value: Any, is_fake: Any, fakes: dict[int, Any]) -> Any:
-        """``(the fake argument, its real value)`` for :meth:`_view`; the fakes whose values
-        are hidden for the call are collected in ``fakes``."""
-        if isinstance(value, torch.Tensor):
-            fake: Any = value
-            if not is_fake(value):
-                if not _convertible(mode, value):
-                    return _NOT_FAST
-                fake = mode.fake_tensor_converter.from_real_tensor(mode, value)
-            elif getattr(value, "fake_mode", None) is not mode or value.layout != torch.strided:
-                return _NOT_FAST
-            real = getattr(fake, "real_tensor", None)
-            if real is None:
-                return _NOT_FAST
-            fakes[id(fake)] = fake
-            return fake, real
-        if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
-            pairs = [self._fake_and_real(mode, item, is_fake, fakes) for item in value]
-            if any(p is _NOT_FAST for p in pairs):
-                return _NOT_FAST
-            kind = type(value) if isinstance(value, tuple) else list
-            return kind(p[0] for p in pairs), kind(p[1] for p in pairs)
-        return value, value
+    def _view_of(self, mode: Any, base: Any, ptr: int | None, real: Any) -> Any:
+        """Inside the mode's kernel invocation: the fake view of ``base`` with ``real``'s
+        metadata, holding ``real``."""
+        if (
+            type(real) is not torch.Tensor
+            or real.layout != torch.strided
+            or real.dtype != base.dtype  # view_as_real/complex, .real/.imag, view(dtype)
+            or _lazy_bits(real)  # conj()'s and neg views' bits (see _lazy_bits)
+            or _storage(real) != ptr
+        ):
+            raise _CannotRebuild
+        try:
+            meta = torch.ops.aten.as_strided.default(
+                base, real.shape, real.stride(), real.storage_offset()
+            )
+        except RuntimeError:
+            raise _CannotRebuild from None
+        fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
+        fake.real_tensor = real
+        return fake
 
     def _real_value(self, mode: Any, value: Any, is_fake: Any) -> Any:
         """An argument's real value: a fake of ``mode`` with values, its values; a real tensor,
@@ -438,12 +445,12 @@ class Propagation:
                 if getattr(value, "fake_mode", None) is not mode or value.layout != torch.strided:
                     return _NOT_FAST
                 real = getattr(value, "real_tensor", None)
-                return _NOT_FAST if real is None else real
+                return _NOT_FAST if real is None or _lazy_bits(real) else real
             if not _convertible(mode, value):
                 return _NOT_FAST
             fake = mode.fake_tensor_converter.from_real_tensor(mode, value)
             real = getattr(fake, "real_tensor", None)
-            return _NOT_FAST if real is None else real
+            return _NOT_FAST if real is None or _lazy_bits(real) else real
         if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor | None):
             out = []
             for item in value:
@@ -474,6 +481,7 @@ class Propagation:
             self._from_meta is None
             or type(real) is not torch.Tensor
             or real.layout != torch.strided
+            or _lazy_bits(real)
             or self._is_fake(real)
         ):
             raise _CannotRebuild
@@ -608,10 +616,30 @@ HIDDEN_WRITES = frozenset(
 )
 
 
+def _lazy_bits(t: Any) -> bool:
+    """A conjugate or negative view bit: real kernels called inside a dispatch mode ignore them
+    (the Conjugate and Negative keys are below it), so such values go upstream's way."""
+    return bool(t.is_conj() or t.is_neg())
+
+
 def _convertible(mode: Any, t: Any) -> bool:
     """A real tensor the fast path converts as upstream would: a plain strided tensor (or
     Parameter), in a mode that allows real inputs (else upstream's error stands)."""
     return type(t) in _PLAIN and t.layout == torch.strided and bool(mode.allow_non_fake_inputs)
+
+
+#: view op -> the index of the argument its returns alias (-1: none readable)
+_VIEW_BASE: dict[Any, int] = {}
+
+
+def _view_base(func: Any) -> int:
+    schema = func._schema
+    sets = [r.alias_info.before_set for r in schema.returns if r.alias_info is not None]
+    for index, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is not None and sets and all(info.before_set & s for s in sets):
+            return index
+    return -1
 
 
 def _kind(func: Any, mode: Any) -> str:
@@ -634,7 +662,7 @@ def _kind(func: Any, mode: Any) -> str:
     aliased = [r.alias_info is not None for r in schema.returns]
     if not any(aliased) and not any(a.alias_info is not None for a in schema.arguments):
         return _NEW
-    if all(aliased):
+    if all(aliased) and _view_base(func) >= 0:
         return _VIEW_OP
     return _OTHER
 

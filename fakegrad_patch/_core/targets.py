@@ -375,6 +375,17 @@ FROM_META_AND_DEVICE = Target(
     "optional: fake outputs made from a real kernel's outputs",
 )
 
+#: CALLED, OPTIONAL. ``in_kernel_invocation_manager(fake_mode)``: the context FakeTensorMode runs
+#: meta kernels in (its fakes dispatch as meta tensors; Python dispatch off). The fast path makes
+#: a fake view with ``aten.as_strided`` on the aliased fake inside it, the way upstream runs a
+#: view's meta kernel, and wraps the meta view with FROM_META_AND_DEVICE. Same name and
+#: signature on 2.4.0 ... 2.15.0. Absent: views take upstream's path.
+IN_KERNEL_INVOCATION = Target(
+    FAKE_TENSOR_MODULE,
+    "in_kernel_invocation_manager",
+    "optional: fake views made over the aliased fake's storage (the fast path)",
+)
+
 #: READ, OPTIONAL. ``_DISPATCH_META_HANDLERS`` (a dict: ``prim.device``, ``aten.sym_size``, ...)
 #: and ``_DISPATCH_HANDLE_DIRECTLY`` (a set: ``aten.is_coalesced``, ...): the ops
 #: ``FakeTensorMode.dispatch`` answers itself from the fakes' metadata, before any fake kernel or
@@ -413,6 +424,7 @@ ALL_TARGETS: tuple[Target, ...] = (
     DISPATCH_IMPL_REAL_OUT,
     FROM_META_AND_DEVICE,
     DISPATCH_DIRECT_OPS,
+    IN_KERNEL_INVOCATION,
 )
 
 #: Targets whose absence degrades a detail instead of blocking the patch.
@@ -434,6 +446,7 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
         DISPATCH_IMPL_REAL_OUT,
         FROM_META_AND_DEVICE,
         DISPATCH_DIRECT_OPS,
+        IN_KERNEL_INVOCATION,
     }
 )
 

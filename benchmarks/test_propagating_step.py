@@ -1,0 +1,128 @@
+"""P18 (issue 41): what one propagating pass costs a user, against what they would run instead.
+
+For each model, in one process, interleaved (paired blocks, variants alternating):
+
+* ``two-pass`` (the baseline): the seed's workaround, a plain fake pass (shapes, no values) and
+  then an eager step for the gradients;
+* ``patched``: one propagating fake pass with the patch (its defaults: ``propagation="fast"``),
+  which gives both the shapes and eager's gradients;
+* ``repair``: the same pass with ``propagation="repair"`` (upstream's propagation, its wrong
+  values repaired): what the fast path saves;
+* ``eager``: an eager step alone (forward, backward).
+
+The ratio that matters is ``patched / two-pass`` (goal <= 1.00: the product must not lose to its
+own workaround); ``eager / two-pass`` beside it gives ``patched / eager`` (docs/performance.md).
+The models: an MLP of 20 Linear(256) layers, a conv net with BatchNorm, a small
+TransformerEncoder, and a zoo model (tests/_zoo.py's ``batchnorm_resnet``). A new
+FakeTensorMode per step, as a tool that runs one fake session per call does.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import fakegrad_patch
+from benchmarks import _support
+
+Case = tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.Tensor]]
+
+
+def _mlp(device: str) -> Case:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(20):
+        layers += [nn.Linear(256, 256), nn.Tanh()]
+    model = nn.Sequential(*layers).to(device)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).to(device)
+    return model, (x,), lambda out: out.square().mean()
+
+
+def _convnet(device: str) -> Case:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    ).to(device)
+    x, y = _support.batch((16, 3, 32, 32), device)
+    return model, (x,), lambda out: F.cross_entropy(out, y)
+
+
+def _transformer(device: str) -> Case:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).to(device)
+    x = torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    return model, (x,), lambda out: out.square().mean()
+
+
+def _zoo_model(device: str) -> Case:
+    tests = str(pathlib.Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import _zoo
+
+    case = _zoo.batchnorm_resnet(device)
+    return case["model"], tuple(case["inputs"]), case["loss_fn"]
+
+
+MODELS: dict[str, Callable[[str], Case]] = {
+    "mlp20x256": _mlp,
+    "convnet_bn": _convnet,
+    "transformer2": _transformer,
+    "zoo_batchnorm_resnet": _zoo_model,
+}
+
+
+@pytest.mark.paired("two-pass", "patched", "repair", "eager")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_p18_one_propagating_pass(benchmark, device: str, name: str, slot: _support.Slot) -> None:
+    model, inputs, loss_fn = _support.cached((name, device), lambda: MODELS[name](device))
+    variant = slot.variant
+    _support.use_patch(variant in ("patched", "repair"))
+    previous = fakegrad_patch.configure(propagation="repair" if variant == "repair" else "fast")
+
+    def eager() -> None:
+        loss_fn(model(*inputs)).backward()
+
+    def two_pass() -> None:
+        with _support.fake_mode(propagate=False):
+            loss_fn(model(*inputs)).backward()
+        model.zero_grad(set_to_none=True)  # the fake pass's gradients are fakes
+        eager()
+
+    def one_pass() -> None:
+        with _support.fake_mode(propagate=True):
+            loss_fn(model(*inputs)).backward()
+
+    target = {"two-pass": two_pass, "eager": eager}.get(variant, one_pass)
+    try:
+        _support.record(
+            benchmark,
+            slot,
+            case="P18",
+            device=device,
+            detail=name,
+            goal=1.0 if variant == "patched" else None,
+            target=target,
+            setup=lambda: model.zero_grad(set_to_none=True),
+            rounds=3,
+            extra={"propagation": fakegrad_patch.settings().propagation},
+        )
+    finally:
+        fakegrad_patch.configure(propagation=previous.propagation)
+    assert _support.grads_are_real(model)
