@@ -72,6 +72,7 @@ SCHEMA: dict[str, tuple[str, set[str]]] = {
     "propagation_mismatch": ("warning", ENVELOPE | {"op", "output", "cause", "known"}),
     "propagation_rebuilt": ("info", ENVELOPE | {"op", "reason", "cause", "outputs"}),
     "propagation_repaired": ("info", ENVELOPE | {"op", "repair", "values"}),
+    "propagation_fast": ("debug", ENVELOPE | {"op"}),
     "backward_wrapper_installed": ("debug", ENVELOPE | {"modes", "explicit_policy"}),
     "backward_wrapper_removed": ("debug", ENVELOPE | {"modes", "explicit_policy"}),
 }

@@ -291,6 +291,21 @@ def status() -> dict[str, Any]:
         # torch.autograd.backward is our wrapper now (only while a propagating mode lives or a
         # policy is set explicitly; torch's own function otherwise)
         "backward_wrapped": bool(applied and applied.backward_site.in_place()),
+        # what the patch did to propagation itself in this process (issues 39, 41): ops that
+        # took the fast path, ops made from the real kernel's outputs, values repaired
+        "propagation": _propagation_counts(applied),
+    }
+
+
+def _propagation_counts(applied: _Applied | None) -> dict[str, Any]:
+    propagation = getattr(applied, "propagation", None)
+    if propagation is None:
+        return {"fast_ops": 0, "rebuilt": 0, "repaired": {}}
+    counts = dict(propagation.counts)
+    return {
+        "fast_ops": propagation.fast_ops,
+        "rebuilt": counts.pop("rebuilt", 0),
+        "repaired": counts,
     }
 
 

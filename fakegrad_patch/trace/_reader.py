@@ -82,6 +82,7 @@ KNOWN_EVENTS = frozenset(
         # issue 39: what the patch does to propagation itself
         "propagation_rebuilt",
         "propagation_repaired",
+        "propagation_fast",
         # issue 25: in-place updates of real tensors inside the mode
         "update_lost",
         "optimizer_state_materialized",
@@ -208,6 +209,8 @@ class Process:
     #: issue 39: ops whose outputs were made from the real kernel's; values repaired
     rebuilt: int = 0
     repaired: int = 0
+    #: issue 41: ops that took the fast path (debug-level events)
+    fast: int = 0
     mirrored: int = 0
     materialize_calls: int = 0
     #: materialize() results without real values, by policy: (dropped, kept, missing) summed
@@ -233,6 +236,7 @@ class Process:
             "optimizer_states_materialized": self.optimizer_states,
             "ops_rebuilt": self.rebuilt,
             "values_repaired": self.repaired,
+            "ops_fast": self.fast,
             "mirrored": self.mirrored,
             "materialize_calls": self.materialize_calls,
             "materialize_missing": dict(self.materialize_missing),
@@ -364,6 +368,8 @@ class Summary:
             proc.rebuilt += 1
         elif event == "propagation_repaired":
             proc.repaired += 1
+        elif event == "propagation_fast":
+            proc.fast += 1
         elif event == "mirrored":
             proc.mirrored += 1
         elif event == "materialized":
@@ -691,6 +697,7 @@ def render_text(summary: Summary, out: TextIO) -> None:
                 ("optimizer states made real", proc.optimizer_states),
                 ("ops from the real kernel's outputs", proc.rebuilt),
                 ("propagated values repaired", proc.repaired),
+                ("ops on the fast path", proc.fast),
                 ("mirrored", proc.mirrored),
                 ("materialize() calls", proc.materialize_calls),
             )
