@@ -11,14 +11,16 @@ Usage (from anywhere; the tree this file is in is tested)::
 Needs torch (a CUDA build), wrapt, structlog and pytest importable; fakegrad_patch comes from
 this tree (put first on the runs' PYTHONPATH), installed or not. Uses pytest-xdist when it is
 there (``--workers``, 4 by default; without it the tests run in one process) and pytest-benchmark
-4.x or 5.x (without it, no benchmark rows). Writes 6 files into DIR:
+4.x or 5.x (without it, no benchmark rows). Writes 7 files into DIR:
 
 * ``results.md``: the table docs/cuda.md shows: GPU, driver, torch build, date, pass/fail per
   test family, every test that did not pass with its reason, the benchmark ratios;
 * ``results.json``: the same as data, every test's outcome;
 * ``tests.junit.xml``, ``bench.junit.xml``: pytest's JUnit XML of the two runs;
 * ``bench.json``: pytest-benchmark's JSON (benchmarks/ratios.py reads it);
-* ``run.log``: both runs' output.
+* ``run.log``: both runs' output;
+* ``opinfo-sweep-cuda.json``: the operator sweep on CUDA (tests/test_opinfo_sweep.py, issue 39:
+  every sample's category).
 
 Exit status: 0 when no selected test failed and both runs finished; 1 otherwise; 2 when it
 could not start (no GPU without ``--allow-no-gpu``, a package missing).
@@ -70,6 +72,7 @@ BENCH_CASES = {
         "test_per_leaf.py::test_p12_set_floor",
     ],
     "P15": ["test_write_back.py::test_p15_write_back"],
+    "P18": ["test_propagating_step.py::test_p18_one_propagating_pass"],
 }
 REQUIRED = ("torch", "wrapt", "structlog", "pytest")
 OUTCOMES = ("passed", "failed", "error", "xfailed", "xpassed", "skipped")
@@ -456,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             "PYTHONPATH": os.pathsep.join(paths),
             "PYTHONDONTWRITEBYTECODE": "1",
             "FAKEGRAD_TEST_SCOPE": "all",
+            # the CUDA operator sweep's categories (tests/test_opinfo_sweep.py) come back too
+            "FAKEGRAD_SWEEP_DIR": str(out),
             RECORD_ENV: str(record),
         }
     )

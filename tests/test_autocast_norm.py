@@ -102,9 +102,10 @@ def _run_autocast(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> None
 
 
 @pytest.fixture
-def upstream_propagation() -> Iterator[None]:
-    with fakegrad_patch.patched(propagation="upstream"):
-        yield
+def upstream_propagation() -> None:
+    """Upstream's propagation (the repairs off), whether the patch is installed or not (the
+    can-fail run uninstalls it); conftest.py restores the settings after the test."""
+    fakegrad_patch.configure(propagation="upstream")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

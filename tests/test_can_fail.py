@@ -153,9 +153,6 @@ MUST_FAIL_WITHOUT_REPAIRS = {
     "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_add_]",
     "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_add_alpha]",
     "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_add_2d]",
-    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_put_accumulate]",
-    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[scatter_add_]",
-    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_copy_]",
     "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[view_index_add_]",
     "test_propagation.py::test_overlapping_as_strided_backward_gives_eager_gradients[stft_frames]",
     "test_propagation.py::test_overlapping_as_strided_backward_gives_eager_gradients[diagonal_bands]",
@@ -193,6 +190,8 @@ MUST_FAIL_WITHOUT_REPAIRS = {
     "test_verify.py::test_data_dependent_control_flow_trains_like_eager",
 }
 MUST_PASS_WITHOUT_REPAIRS = {  # controls: right upstream, and what the setting must leave alone
+    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[index_copy_]",
+    "test_propagation.py::test_a_decomposed_in_place_op_updates_the_values_once[scatter_add_]",
     "test_propagation.py::test_overlapping_as_strided_backward_gives_eager_gradients[no_overlap]",
     "test_propagation.py::test_recurrent_layers_on_cpu_train_like_eager[gru]",
     "test_propagation.py::test_recurrent_layers_on_cpu_train_like_eager[rnn]",

@@ -50,6 +50,31 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return result
 
 
+#: on CUDA, in the CUDA command (tests/cuda_check.py: <= 6 minutes in all on 4 cores)
+CUDA_PLAN: tuple[tuple[str, int | None], ...] = (("float32", 3), ("bfloat16", 1))
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_on_cuda_no_sample_differs_without_a_word(tmp_path: pathlib.Path) -> None:
+    workers = max(1, min(4, os.cpu_count() or 1))
+    rows = opinfo_sweep.run_isolated("cuda", CUDA_PLAN, workers=workers, workdir=str(tmp_path))
+    result = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+        "plan": opinfo_sweep._plan_text(CUDA_PLAN),
+        "summary": opinfo_sweep.summary(rows),
+        "rows": rows,
+    }
+    out_dir = pathlib.Path(os.environ.get("FAKEGRAD_SWEEP_DIR") or tmp_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "opinfo-sweep-cuda.json").write_text(json.dumps(result, indent=1))
+    silent = [r for r in rows if r["category"] == "silent"]
+    assert not silent, "\n".join(
+        f"{r['dtype']} {r['op']}[{r['sample']}]: {r['why']}" for r in silent
+    )
+
+
 @pytest.mark.slow
 def test_no_sample_differs_from_eager_without_a_word(sweep: dict) -> None:
     silent = [r for r in sweep["rows"] if r["category"] == "silent"]

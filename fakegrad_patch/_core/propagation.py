@@ -15,8 +15,8 @@ torch shows it, by behaviour (never by version):
   of the outermost op, when that op ran for real, gets a *shadow* copy until the outer op
   returns: the update happens once, as in eager mode (``propagation_repaired``,
   ``repair: "nested_write"``).
-* **Ops without a meta kernel** (aten's CUDA-only fused kernels: ``_thnn_fused_gru_cell``;
-  torchvision/torchaudio ops) take ``run_fallback_kernel``: the real kernel on zero-filled
+* **Ops without a meta kernel** (``fractional_max_pool3d_backward``; aten's CUDA-only fused
+  kernels: ``_thnn_fused_gru_cell``; torchvision/torchaudio ops) take ``run_fallback_kernel``: the real kernel on zero-filled
   inputs, whose outputs were returned without the real kernel's values on one path. Their
   outputs get the real kernel's values (or lose the zeros' values where the op had no real
   values: then the gradients are reported, never copied) (``repair: "fallback_kernel"``).
