@@ -1,48 +1,39 @@
-"""What the patch does to FakeTensorMode's real-value propagation itself (issue 39).
+"""What the patch does to FakeTensorMode's real-value propagation itself (issues 39, 41).
 
 A propagating ``FakeTensorMode`` runs every op twice: the real kernel on the propagated values
 (``real_out``) and the fake implementation (a meta kernel, a Python decomposition, a fake kernel
-of a custom op, or the "unsafe fallback"), then copies the real outputs onto the fake outputs.
-The patch copies those values into ``.grad``, so wherever upstream's values are wrong, the user's
-gradient is wrong. Measured, on every build and device (tests/opinfo_sweep.py, PyTorch's own
-operator database as the test family), three families, each repaired here where the installed
-torch shows it, by behaviour (never by version):
+of a custom op, or the "unsafe fallback"), then checks one against the other and copies the real
+outputs onto the fake ones. The patch copies those values into ``.grad``, so wherever upstream's
+values are wrong, the user's gradient would be wrong; and the double run makes one propagating
+pass cost more than the seed's two-pass workaround. Here, in modes that propagate real values and
+have no ShapeEnv (a user's; torch.compile, export and the other tracers keep upstream's behaviour
+exactly), by behaviour, never by version (docs/how-it-works.md, "Propagation itself"):
 
+* **The fast path** (``propagation="fast"``, the default): an aten op that makes new tensors runs
+  its real kernel once and its fake outputs are made from the real ones; a view op runs the real
+  view and its fake view is ``as_strided`` over the aliased fake's storage. In-place, ``out=``
+  and the ops of :data:`HIDDEN_WRITES` keep upstream's path.
 * **In-place ops that FakeTensorMode decomposes** (``index_add_`` into ``index_put_``: the
-  backward of an overlapping ``as_strided``, so ``stft``; ``native_batch_norm``'s running
-  statistics): the real kernel updates the argument's values, then the decomposition's nested
-  ops run for real under the mode and update them again. Each nested op that writes an argument
-  of the outermost op, when that op ran for real, gets a *shadow* copy until the outer op
-  returns: the update happens once, as in eager mode (``propagation_repaired``,
-  ``repair: "nested_write"``).
+  backward of an overlapping ``as_strided``, so ``stft``): a nested op that writes an argument of
+  the outermost op, when that op ran for real, gets a shadow copy until the outer op returns
+  (``propagation_repaired``, ``repair: "nested_write"``).
 * **Ops without a meta kernel** (``fractional_max_pool3d_backward``; aten's CUDA-only fused
-  kernels: ``_thnn_fused_gru_cell``; torchvision/torchaudio ops) take ``run_fallback_kernel``: the real kernel on zero-filled
-  inputs, whose outputs were returned without the real kernel's values on one path. Their
-  outputs get the real kernel's values (or lose the zeros' values where the op had no real
-  values: then the gradients are reported, never copied) (``repair: "fallback_kernel"``).
-* **Fake kernels that refuse or disagree**, in a mode without a ShapeEnv (a user's, not a
-  tracer's), where the real kernel already ran: data-dependent ops (``nonzero``,
-  ``masked_select``, boolean-mask reads, ``unique``, ``repeat_interleave``, ``.item()``,
-  ``bool()``, ``aten.equal``: ``DynamicOutputShapeException`` / ``DataDependentOutputException``),
-  ops without a fake kernel (``UnsupportedOperatorException``), and fake kernels whose outputs
-  differ from the real kernel's (``MetadataMismatchError``: CPU autocast norms,
-  ``mkldnn_rnn_layer``, SDPA efficient attention's philox outputs on CUDA,
-  ``native_batch_norm_backward``'s output mask). The op's outputs are made from the real
-  kernel's (what eager runs): a fake of the real output's sizes, strides, dtype and device
-  holding its values, a Python scalar as itself (``propagation_rebuilt``, info). For ops whose
-  outputs are new tensors (no alias in the schema's returns); a view or in-place op keeps its
-  fake outputs, given the real kernel's values, where they agree in sizes, dtype and device.
-  Upstream's mutation check of custom ops, which refuses every ``None`` given to a ``Tensor?``
-  argument, is recognised and treated the same way.
+  kernels: ``_thnn_fused_gru_cell``; torchvision/torchaudio ops) take ``run_fallback_kernel``:
+  the real kernel on zero-filled inputs, returned without the real kernel's values on one path.
+  Their outputs get the real kernel's values, or lose the zeros' values where the op had none
+  (then the gradients are reported, never copied) (``repair: "fallback_kernel"``).
+* **Fake sides that refuse, disagree or raise** after the real kernel ran (data-dependent ops,
+  ``.item()``, ``bool()``, ``aten.equal``, ops without a fake kernel, ``MetadataMismatchError``,
+  propagation's own cross-check): the op's outputs are made from the real kernel's (what eager
+  runs), a Python scalar as itself; a view or in-place op keeps its fake outputs with the real
+  values where they agree in sizes, dtype and device (``propagation_rebuilt``). Upstream's schema
+  checks of custom ops stand, but for its false mutation report on ``None`` optional arguments.
 
-Everything here acts only in modes that propagate real values and have no ShapeEnv: torch.compile,
-export and the other tracers keep upstream's behaviour exactly. ``FAKEGRAD_PROPAGATION=upstream``
-(``configure(propagation="upstream")``) turns it off.
-
-This module owns the one wrapper of ``FakeTensorMode.dispatch`` (a :class:`_sites.Site`: in place
-only while a propagating user mode lives or write-back is on) and calls the write-back watch
-(:mod:`._writeback`) around every op: the outermost op of a mode per thread is one
-:class:`_writeback.Frame`, shared by both.
+``propagation="repair"`` keeps upstream's propagation with the repairs; ``"upstream"`` turns all
+of it off. This module owns the one wrapper of ``FakeTensorMode.dispatch`` (a
+:class:`_sites.Site`: in place only while a propagating user mode lives or write-back is on) and
+calls the write-back watch (:mod:`._writeback`) around every op: the outermost op of a mode per
+thread is one :class:`_writeback.Frame`, shared by both.
 """
 
 from __future__ import annotations
