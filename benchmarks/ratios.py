@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-CASE_ORDER = [f"P{i}" for i in range(1, 17)]
+CASE_ORDER = [f"P{i}" for i in range(1, 19)]
 
 
 def fmt_time(seconds: float, sign: bool = False) -> str:

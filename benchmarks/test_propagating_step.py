@@ -126,3 +126,50 @@ def test_p18_one_propagating_pass(benchmark, device: str, name: str, slot: _supp
     finally:
         fakegrad_patch.configure(propagation=previous.propagation)
     assert _support.grads_are_real(model)
+
+
+@pytest.mark.paired("uninstalled", "installed")
+def test_p18_real_step_after_a_session(benchmark, device: str, slot: _support.Slot) -> None:
+    """Issue 41, item 5: after a propagating session has ended (its modes and fakes collected),
+    a real training step costs what it cost before: a 30-layer Linear/Tanh MLP's real SGD step
+    with the patch installed vs uninstalled, in a process that ran one propagating fake step of
+    the same model first (goal <= 1.01; what stays behind is in docs/how-it-works.md)."""
+    import gc
+
+    def build() -> tuple[nn.Module, torch.Tensor, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for _ in range(30):
+            layers += [nn.Linear(64, 64), nn.Tanh()]
+        model = nn.Sequential(*layers).to(device)
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        _support.use_patch(True)
+        with _support.fake_mode(propagate=True):  # the session
+            model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return model, x, opt
+
+    model, x, opt = _support.cached(("P18 after", device), build)
+    _support.use_patch(slot.variant == "installed")
+    gc.collect()  # the session's modes (their fakes hold cycles) die here
+    assert fakegrad_patch.status().get("backward_wrapped") in (False, None)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        opt.step()
+
+    _support.record(
+        benchmark,
+        slot,
+        case="P18",
+        device=device,
+        detail="real step after a session, mlp30x64",
+        goal=1.01 if slot.variant == "installed" else None,
+        target=step,
+        rounds=8,
+        iterations=10,
+    )
+    assert _support.grads_are_real(model)
