@@ -208,28 +208,11 @@ MUST_PASS_UPSTREAM = {  # they pin upstream behaviour that the patch leaves alon
 }
 
 
-@pytest.mark.slow
-def test_behaviour_tests_fail_without_the_patch() -> None:
-    env = {**os.environ, "FAKEGRAD_TEST_UNPATCHED": "1"}
+def _outcomes(env: dict[str, str], files: list[str]) -> tuple[set[str], set[str]]:
+    """Run ``files`` in a fresh pytest with ``env``; the tests that failed and that passed (the
+    run as a whole must fail)."""
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "test_materialize.py",
-            "test_interplay.py",
-            "test_correctness.py",
-            "test_multi_mode.py",
-            "test_concurrency.py",
-            "test_write_back.py",
-            "test_autocast_norm.py",
-            "test_inplace_updates.py",
-            "test_propagation.py",
-            "-q",
-            "-rA",
-            "-p",
-            "no:cacheprovider",
-        ],
+        [sys.executable, "-m", "pytest", *files, "-q", "-rA", "-p", "no:cacheprovider"],
         cwd=HERE,
         env=env,
         capture_output=True,
@@ -240,6 +223,26 @@ def test_behaviour_tests_fail_without_the_patch() -> None:
     assert out.returncode == 1, out.stdout[-3000:]
     failed = {line.split()[1] for line in out.stdout.splitlines() if line.startswith("FAILED ")}
     passed = {line.split()[1] for line in out.stdout.splitlines() if line.startswith("PASSED ")}
+    return failed, passed
+
+
+@pytest.mark.slow
+def test_behaviour_tests_fail_without_the_patch() -> None:
+    env = {**os.environ, "FAKEGRAD_TEST_UNPATCHED": "1"}
+    failed, passed = _outcomes(
+        env,
+        [
+            "test_materialize.py",
+            "test_interplay.py",
+            "test_correctness.py",
+            "test_multi_mode.py",
+            "test_concurrency.py",
+            "test_write_back.py",
+            "test_autocast_norm.py",
+            "test_inplace_updates.py",
+            "test_propagation.py",
+        ],
+    )
     from test_autocast_norm import _upstream_refuses
 
     must_fail = MUST_FAIL_UPSTREAM | (MUST_FAIL_WHERE_REFUSED if _upstream_refuses() else set())
@@ -252,31 +255,16 @@ def test_propagation_repairs_fail_without_them() -> None:
     """Issue 39: the patch installed, its propagation repairs off: their tests fail, the
     controls pass."""
     env = {**os.environ, "FAKEGRAD_TEST_PROPAGATION": "upstream"}
-    out = subprocess.run(
+    failed, passed = _outcomes(
+        env,
         [
-            sys.executable,
-            "-m",
-            "pytest",
             "test_propagation.py",
             "test_autocast_norm.py",
             "test_inplace_updates.py",
             "test_verify.py",
             "test_write_back.py",
-            "-q",
-            "-rA",
-            "-p",
-            "no:cacheprovider",
         ],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
     )
-    assert out.returncode == 1, out.stdout[-3000:]
-    failed = {line.split()[1] for line in out.stdout.splitlines() if line.startswith("FAILED ")}
-    passed = {line.split()[1] for line in out.stdout.splitlines() if line.startswith("PASSED ")}
     from test_autocast_norm import _upstream_refuses
 
     refused = {t for t in MUST_FAIL_WHERE_REFUSED if "real_kernels_outputs" in t}

@@ -322,21 +322,10 @@ class Propagation:
         fakes made from its outputs; upstream's fake implementation, the second real run of its
         decomposition and the cross-check are skipped (issue 41). ``_NOT_FAST`` otherwise (then
         nothing ran)."""
-        op_args, op_kwargs = op
-        is_fake = self._is_fake
-        real_args: list[Any] = []
-        for value in op_args:
-            real = self._real_value(mode, value, is_fake)
-            if real is _NOT_FAST:
-                return _NOT_FAST
-            real_args.append(real)
-        real_kwargs: dict[str, Any] = {}
-        for name, value in op_kwargs.items():
-            real = self._real_value(mode, value, is_fake)
-            if real is _NOT_FAST:
-                return _NOT_FAST
-            real_kwargs[name] = real
-        real_out = func(*real_args, **real_kwargs)
+        reals = self._real_arguments(mode, op)
+        if reals is _NOT_FAST:
+            return _NOT_FAST
+        real_out = func(*reals[0], **reals[1])
         try:
             result = self._from_real(mode, real_out)
         except _CannotRebuild:
@@ -362,7 +351,7 @@ class Propagation:
         base_index = _VIEW_BASE.get(func)
         if base_index is None:
             base_index = _VIEW_BASE[func] = _view_base(func)
-        op_args, op_kwargs = op
+        op_args = op[0]
         if base_index < 0 or base_index >= len(op_args):
             return _NOT_FAST
         base = op_args[base_index]
@@ -378,19 +367,10 @@ class Propagation:
         base_real = getattr(base, "real_tensor", None)
         if base_real is None or _lazy_bits(base_real) or not _same_metadata(base, base_real):
             return _NOT_FAST  # the fake's layout is not the real one's: upstream's view
-        real_args: list[Any] = []
-        for index, value in enumerate(op_args):
-            real = base_real if index == base_index else self._real_value(mode, value, is_fake)
-            if real is _NOT_FAST:
-                return _NOT_FAST
-            real_args.append(real)
-        real_kwargs: dict[str, Any] = {}
-        for name, value in op_kwargs.items():
-            real = self._real_value(mode, value, is_fake)
-            if real is _NOT_FAST:
-                return _NOT_FAST
-            real_kwargs[name] = real
-        real_out = func(*real_args, **real_kwargs)
+        reals = self._real_arguments(mode, op, (base_index, base_real))
+        if reals is _NOT_FAST:
+            return _NOT_FAST
+        real_out = func(*reals[0], **reals[1])
         ptr = _storage(base_real)
         try:
             with self._in_kernel(mode):
@@ -425,6 +405,28 @@ class Propagation:
         fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
         fake.real_tensor = real
         return fake
+
+    def _real_arguments(self, mode: Any, op: Any, known: tuple[int, Any] | None = None) -> Any:
+        """``(real args, real kwargs)`` of the op's arguments (:meth:`_real_value` each; the
+        positional argument ``known[0]``'s value already found: ``known[1]``), or ``_NOT_FAST``."""
+        op_args, op_kwargs = op
+        is_fake = self._is_fake
+        real_args: list[Any] = []
+        for index, value in enumerate(op_args):
+            if known is not None and index == known[0]:
+                real = known[1]
+            else:
+                real = self._real_value(mode, value, is_fake)
+                if real is _NOT_FAST:
+                    return _NOT_FAST
+            real_args.append(real)
+        real_kwargs: dict[str, Any] = {}
+        for name, value in op_kwargs.items():
+            real = self._real_value(mode, value, is_fake)
+            if real is _NOT_FAST:
+                return _NOT_FAST
+            real_kwargs[name] = real
+        return real_args, real_kwargs
 
     def _real_value(self, mode: Any, value: Any, is_fake: Any) -> Any:
         """An argument's real value: a fake of ``mode`` with values, its values; a real tensor,
