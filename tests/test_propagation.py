@@ -312,6 +312,10 @@ DATA_DEPENDENT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 @pytest.mark.parametrize("op", DATA_DEPENDENT)
 def test_a_data_dependent_op_gives_eager_values_and_gradients(op: str) -> None:
+    if op == "tolist" and "tolist" in FakeTensor.__dict__:
+        pytest.skip(
+            "this build's FakeTensor answers tolist() itself, below no op (2.4: needs a ShapeEnv)"
+        )
     f = DATA_DEPENDENT[op]
     torch.manual_seed(0)
     x = torch.randn(6, requires_grad=True)
@@ -334,7 +338,7 @@ def test_nonzero_shape_and_values_come_from_the_real_kernel() -> None:
     with fake_mode():
         nz = torch.nonzero(torch.tensor([0, 3, 0, 4]) * 1)
         assert isinstance(nz, FakeTensor) and nz.shape == (2, 1)
-        assert nz.real_tensor.flatten().tolist() == [1, 3]
+        assert _values(nz).tolist() == [[1], [3]]
         assert (torch.tensor([0, 3, 0, 4]) * 1).sum().item() == 7
 
 
@@ -350,22 +354,29 @@ def _wrong_fake_ops() -> dict[str, Any]:
 def _make_wrong_fake_ops() -> dict[str, Any]:
     ops: dict[str, Any] = {}
 
-    def define(name: str, real: Callable[..., Any], fake: Callable[..., Any]) -> None:
-        op = torch.library.custom_op(f"fakegrad_test::{name}", mutates_args=())(real)
+    def define(name: str, real: Callable[..., Any], fake: Callable[..., Any], schema: str) -> None:
+        # an explicit schema: 2.4's inference cannot read this module's string annotations
+        op = torch.library.custom_op(f"fakegrad_test::{name}", mutates_args=(), schema=schema)(real)
         op.register_fake(fake)
         ops[name] = op
 
     def affine(x: torch.Tensor) -> torch.Tensor:
         return x * 2 + 1
 
-    define("wrong_shape", affine, lambda x: x.new_empty(x.shape[0] + 1))
-    define("wrong_dtype", affine, lambda x: x.new_empty(x.shape, dtype=torch.float64))
-    define("wrong_device", affine, lambda x: torch.empty(x.shape, device="meta"))
+    one = "(Tensor x) -> Tensor"
+    define("wrong_shape", affine, lambda x: x.new_empty(x.shape[0] + 1), one)
+    define("wrong_dtype", affine, lambda x: x.new_empty(x.shape, dtype=torch.float64), one)
+    define("wrong_device", affine, lambda x: torch.empty(x.shape, device="meta"), one)
 
     def two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x * 2 + 1, x.sum().reshape(1)
 
-    define("wrong_second_output", two, lambda x: (torch.empty_like(x), x.new_empty(0)))
+    define(
+        "wrong_second_output",
+        two,
+        lambda x: (torch.empty_like(x), x.new_empty(0)),
+        "(Tensor x) -> (Tensor, Tensor)",
+    )
     return ops
 
 
@@ -391,7 +402,9 @@ def test_a_wrong_fake_kernel_gives_way_to_the_real_kernels_outputs(name: str) ->
     torch.testing.assert_close(w.grad, ref.grad, rtol=0, atol=0)
     rebuilt = _events(events, "propagation_rebuilt")
     assert [e["op"] for e in rebuilt] == [f"fakegrad_test.{name}.default"], events
-    assert rebuilt[0]["reason"] == "MetadataMismatchError"
+    # MetadataMismatchError where the build's propagation checks fake kernels (2.13+); the
+    # patch's own check where it does not (2.4)
+    assert rebuilt[0]["reason"] in ("MetadataMismatchError", "unchecked mismatch")
     assert not _events(events, "propagation_mismatch")
 
 

@@ -31,15 +31,11 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 #: The libraries a case can need, as importable module names.
 LIBRARIES = ("torchvision", "timm", "transformers")
 
-#: CPU autocast and BatchNorm/LayerNorm under real-value propagation: the CPU kernel returns the
-#: saved statistics in float32, the meta kernel in the input dtype, and the propagation check
-#: raises (torch 2.13, 2.14; patched or not). Repro: tests/ecosystem/test_ecosystem.py::
-#: test_cpu_autocast_norm_upstream_repro.
-AUTOCAST_NORM_XFAIL = (
-    "upstream: CPU autocast(bfloat16) + {norm} under fake_tensor_propagate_real_tensors raises "
-    "MetadataMismatchError (the CPU kernel's saved statistics are float32, the meta kernel's "
-    "bfloat16), patched or not"
-)
+#: (CPU autocast and BatchNorm/LayerNorm under real-value propagation: the CPU kernel returns the
+#: saved statistics in float32, the meta kernel in the input dtype, and upstream's propagation
+#: check raises (torch 2.13, 2.14; repro: test_ecosystem.py::test_cpu_autocast_norm_upstream_repro).
+#: Since issue 39 the patch answers with the real kernel's outputs: the autocast cases train like
+#: eager, no xfail.)
 
 
 @dataclass
@@ -388,8 +384,6 @@ CASES: list[Case] = [
         "torchvision",
         "torchvision ResNet under CPU autocast bf16",
         _tv_resnet(autocast=True),
-        xfail=AUTOCAST_NORM_XFAIL.format(norm="BatchNorm"),
-        xfail_raises="MetadataMismatchError",
     ),
     Case("tv_mobilenet_v3_small", "torchvision", "MobileNetV3 (SE, hardswish)", _tv_mobilenet_v3),
     Case("tv_convnext", "torchvision", "ConvNeXt (LayerNorm2d, layer scale)", _tv_convnext),

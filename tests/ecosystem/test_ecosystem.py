@@ -124,10 +124,10 @@ def test_every_case_has_a_library_a_builder_and_a_unique_name() -> None:
 
 @pytest.mark.parametrize("norm", ["LayerNorm", "BatchNorm2d"])
 def test_cpu_autocast_norm_upstream_repro(norm: str) -> None:
-    """The upstream limit behind the autocast xfails, without any library and with the patch
-    uninstalled: CPU autocast(bfloat16) + a norm layer under propagation raises
-    MetadataMismatchError. When this test fails, upstream fixed it: drop the xfails. It runs where
-    the xfailed torchvision case runs (other builds may behave otherwise)."""
+    """The upstream limit the patch repairs for the autocast cases (issue 39), without any
+    library and with the patch uninstalled: CPU autocast(bfloat16) + a norm layer under
+    propagation raises MetadataMismatchError. When this test fails, upstream fixed it. It runs
+    where the torchvision autocast case runs (other builds may behave otherwise)."""
     why = _import_error("torchvision")
     if why is not None:
         pytest.skip(f"backs the torchvision xfail case: {why}")

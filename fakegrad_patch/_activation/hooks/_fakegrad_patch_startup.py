@@ -73,6 +73,7 @@ ENV_CHECKS = {
     "FAKEGRAD_TRACE_JSON": ("auto", "stdlib"),
     # ``write-back`` is the parser's spelling of ``write_back`` with a hyphen
     "FAKEGRAD_BUFFERS": ("upstream", "write_back", "write-back"),
+    "FAKEGRAD_PROPAGATION": ("fast", "repair", "upstream"),
 }
 #: The module whose import triggers the activation.
 TRIGGER = "torch"
