@@ -203,13 +203,18 @@ def stress(threads: int = 3, steps: int = 20, timeout_s: float = 60.0) -> dict[s
                             problems.append(f"a wholly installed step got {type(grad).__name__}")
 
     errors: list[str] = []
-    toggling = run(toggler, errors)
-    training = [run(trainer, errors) for _ in range(threads)]
-    deadline = time.monotonic() + timeout_s
-    for thread in training:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    stop.set()
-    toggling.join(max(0.0, deadline - time.monotonic()))
+    # Each trainer turns propagation on for itself (torch's config patches are thread-local on
+    # recent builds), and this thread for all of them: where the config is process-wide (2.4),
+    # the first trainer to finish would otherwise restore the flag under the others, whose
+    # next modes would not propagate (fake gradients, counted as a wholly installed step's).
+    with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+        toggling = run(toggler, errors)
+        training = [run(trainer, errors) for _ in range(threads)]
+        deadline = time.monotonic() + timeout_s
+        for thread in training:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stop.set()
+        toggling.join(max(0.0, deadline - time.monotonic()))
     if any(t.is_alive() for t in (*training, toggling)):
         fail(f"threads still running after {timeout_s:.0f} s: {counts}")
     fakegrad_patch.install()

@@ -226,10 +226,13 @@ def threads() -> str:
             out.append(linear())
 
     ts = [threading.Thread(target=work) for _ in range(3)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    # on here too: where torch's config is process-wide (2.4) a thread's restore would
+    # otherwise turn propagation off under the others
+    with _propagation(True):
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
     return ", ".join(sorted(set(out)))
 
 

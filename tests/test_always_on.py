@@ -344,7 +344,9 @@ def _line_of_next() -> int:
     return sys._getframe(1).f_lineno
 
 
-@pytest.mark.usefixtures("earlier_modes_hidden")
+# propagate: the workers each turn propagation on while they build a mode; this thread keeps it
+# on for all of them where torch's config is process-wide (2.4: their restores interleave)
+@pytest.mark.usefixtures("earlier_modes_hidden", "propagate")
 def test_modes_built_used_and_dropped_in_threads_leave_torchs_function() -> None:
     """Threads build propagating modes, backward through them and drop them while others run
     real backward passes and collect garbage: every fake backward writes real gradients, and
