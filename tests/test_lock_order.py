@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,12 +30,12 @@ pytestmark = pytest.mark.slow
 CHILD = Path(__file__).with_name("_lock_order.py")
 
 
-def _run(scenario: str) -> dict[str, object]:
+def _child(*args: str) -> dict[str, Any]:
+    """Run tests/_lock_order.py with ``args`` in a fresh interpreter (no FAKEGRAD_ variable);
+    the JSON it prints last."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")}
-    hook_source = _startup.hook_module().__file__
-    assert hook_source is not None
     out = subprocess.run(
-        [sys.executable, str(CHILD), scenario, hook_source],
+        [sys.executable, str(CHILD), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -42,7 +43,14 @@ def _run(scenario: str) -> dict[str, object]:
         check=False,
     )
     assert out.returncode == 0, out.stderr[-6000:]
-    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _run(scenario: str) -> dict[str, Any]:
+    hook_source = _startup.hook_module().__file__
+    assert hook_source is not None
+    result = _child(scenario, hook_source)
     if "skip" in result:
         pytest.skip(str(result["skip"]))
     assert result["errors"] == [], result
@@ -80,17 +88,7 @@ def test_training_threads_across_the_first_import_while_the_patch_is_reinstalled
     """tests/test_concurrency.py's stress test in a fresh interpreter: each trainer's first
     ``FakeTensorMode`` imports ``torch._dynamo`` (seconds) while the patch is re-installed every
     50 ms (the hang of issue 40, 1 run in 4 to 6 before the fix); then every 12 steps."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")}
-    out = subprocess.run(
-        [sys.executable, str(CHILD), "stress"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-6000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = _child("stress")
     assert result["first_import"] is True, result
     assert result["errors"] == [] and result["problems"] == [], result
     assert result["steps"] == 60 and result["toggles"] >= 2, result
