@@ -279,16 +279,14 @@ class Propagation:
             )
         except _CannotRebuild:
             return result
-        self._count("rebuilt")
-        if trace.enabled(trace.INFO):
-            trace.emit(
-                "propagation_rebuilt",
-                trace.INFO,
-                op=str(func),
-                reason="unchecked mismatch",
-                cause="a fake output's sizes, dtype or device differ from its real values",
-                outputs="real",
-            )
+        self._report(
+            "rebuilt",
+            "propagation_rebuilt",
+            func,
+            reason="unchecked mismatch",
+            cause="a fake output's sizes, dtype or device differ from its real values",
+            outputs="real",
+        )
         return rebuilt
 
     def _recover(self, exc: BaseException, mode: Any, func: Any) -> Any:
@@ -311,16 +309,14 @@ class Propagation:
                 kept = "fake"
         except _CannotRebuild:
             return _targets.NO_REAL_OUT
-        self._count("rebuilt")
-        if trace.enabled(trace.INFO):
-            trace.emit(
-                "propagation_rebuilt",
-                trace.INFO,
-                op=str(func),
-                reason=type(exc).__name__,
-                cause=_first_line(exc),
-                outputs=kept,
-            )
+        self._report(
+            "rebuilt",
+            "propagation_rebuilt",
+            func,
+            reason=type(exc).__name__,
+            cause=_first_line(exc),
+            outputs=kept,
+        )
         return result
 
     def _with_values(self, fake_out: Any, real_out: Any) -> Any:
@@ -540,15 +536,13 @@ class Propagation:
             self._applied.internal_error("fallback", exc)
             return result
         func = args[1] if len(args) > 1 else kwargs.get("func")
-        self._count("fallback_kernel")
-        if trace.enabled(trace.INFO):
-            trace.emit(
-                "propagation_repaired",
-                trace.INFO,
-                op=str(func),
-                repair="fallback_kernel",
-                values="real kernel" if real_out is not _targets.NO_REAL_OUT else "none",
-            )
+        self._report(
+            "fallback_kernel",
+            "propagation_repaired",
+            func,
+            repair="fallback_kernel",
+            values="real kernel" if real_out is not _targets.NO_REAL_OUT else "none",
+        )
         return repaired
 
     def _refill(self, mode: Any, fake_out: Any, real_out: Any) -> Any:
@@ -602,15 +596,9 @@ class Propagation:
                 shadow = _private_copy(real)
                 t.real_tensor = shadow
             frame.swaps.append((t, real, shadow))
-            self._count("nested_write")
-            if trace.enabled(trace.INFO):
-                trace.emit(
-                    "propagation_repaired",
-                    trace.INFO,
-                    op=str(func),
-                    repair="nested_write",
-                    values="shadow",
-                )
+            self._report(
+                "nested_write", "propagation_repaired", func, repair="nested_write", values="shadow"
+            )
 
     def _unshadow(self, frame: Frame) -> None:
         with self._r.no_dispatch():
@@ -619,6 +607,12 @@ class Propagation:
 
     def _count(self, kind: str) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1  # a statistic: races are harmless
+
+    def _report(self, kind: str, event: str, func: Any, **fields: Any) -> None:
+        """A repair or rebuild done on ``func``: counted (``status()``) and traced at info."""
+        self._count(kind)
+        if trace.enabled(trace.INFO):
+            trace.emit(event, trace.INFO, op=str(func), **fields)
 
 
 _NOT_FAST = object()
