@@ -35,13 +35,20 @@ from benchmarks import _support
 Case = tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.Tensor]]
 
 
-def _mlp(device: str) -> Case:
+def _tanh_mlp(device: str, depth: int, width: int, batch: int) -> tuple[nn.Module, torch.Tensor]:
+    """``depth`` Linear(width)/Tanh pairs and an input of ``batch`` rows, the same in every
+    process (seeded)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for _ in range(20):
-        layers += [nn.Linear(256, 256), nn.Tanh()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
     model = nn.Sequential(*layers).to(device)
-    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).to(device)
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1)).to(device)
+    return model, x
+
+
+def _mlp(device: str) -> Case:
+    model, x = _tanh_mlp(device, 20, 256, 64)
     return model, (x,), lambda out: out.square().mean()
 
 
@@ -137,12 +144,7 @@ def test_p18_real_step_after_a_session(benchmark, device: str, slot: _support.Sl
     import gc
 
     def build() -> tuple[nn.Module, torch.Tensor, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        layers: list[nn.Module] = []
-        for _ in range(30):
-            layers += [nn.Linear(64, 64), nn.Tanh()]
-        model = nn.Sequential(*layers).to(device)
-        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).to(device)
+        model, x = _tanh_mlp(device, 30, 64, 16)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         _support.use_patch(True)
         with _support.fake_mode(propagate=True):  # the session
