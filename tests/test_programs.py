@@ -204,9 +204,9 @@ COMPLEX_PROGRAMS: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     "vecdot": lambda a, b: torch.linalg.vecdot(a, b),
     "vdot": lambda a, b: torch.vdot(a, b),
     "pinv": lambda a, b: torch.linalg.pinv(a.reshape(2, 2) + 3 * torch.eye(2)),
-    "lstsq": lambda a, b: torch.linalg.lstsq(
-        a.reshape(2, 2) + 3 * torch.eye(2), b.reshape(2, 2)
-    ).solution,
+    "lstsq": lambda a, b: (
+        torch.linalg.lstsq(a.reshape(2, 2) + 3 * torch.eye(2), b.reshape(2, 2)).solution
+    ),
     "conj_physical_": lambda a, b: a.clone().conj_physical_() * b,
     "abs_of_a_conj": lambda a, b: a.conj().abs() * b,
     "conj_of_a_real_input": lambda a, b: b.detach().conj() * a,
@@ -231,3 +231,46 @@ def test_complex_programs_follow_eager(setting: str, name: str) -> None:
         return out
 
     assert_like_eager(program, _complex_leaves)
+
+
+# -- random numbers: drawn once, as eager draws them ---------------------------------------------
+
+
+def _linear_inside(x: torch.Tensor) -> Any:
+    layer = torch.nn.Linear(4, 3)  # kaiming init: uniform_ inside the mode
+    return layer.weight, layer.bias, layer(x)
+
+
+def _conv_inside(x: torch.Tensor) -> Any:
+    conv = torch.nn.Conv2d(1, 2, 3)
+    return conv.weight, conv(x.reshape(1, 1, 2, 2).repeat(1, 1, 2, 2))
+
+
+RANDOM_PROGRAMS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "uniform_": lambda x: torch.empty(5).uniform_(-2, 2) * x.sum(),
+    "uniform_then_rand": lambda x: (torch.empty(3).uniform_(), torch.rand(3)),
+    "uniform_with_a_generator": lambda x: torch.empty(3).uniform_(
+        generator=torch.Generator().manual_seed(3)
+    ),
+    "normal_": lambda x: torch.empty(4).normal_() + x,
+    "linear_built_inside": _linear_inside,
+    "conv_built_inside": _conv_inside,
+    "dropout": lambda x: torch.nn.functional.dropout(x, 0.5) * 2,
+    "bernoulli_": lambda x: torch.empty(4).bernoulli_(0.3) * x,
+    "randperm_and_randint": lambda x: (torch.randperm(6), torch.randint(0, 9, (3,))),
+    "randn_like_of_a_leaf": lambda x: torch.randn_like(x) * x,
+    "exponential_": lambda x: torch.empty(4).exponential_() + x,
+    "rrelu_training": lambda x: torch.nn.functional.rrelu(x, training=True),
+}
+
+
+@pytest.mark.parametrize("name", RANDOM_PROGRAMS)
+def test_random_numbers_are_drawn_as_eager_draws_them(setting: str, name: str) -> None:
+    fn = RANDOM_PROGRAMS[name]
+
+    def program(x: torch.Tensor) -> Any:
+        out = fn(x)
+        (x.sum() + sum(t.float().sum() for t in outputs(out) if t.requires_grad)).backward()
+        return (*outputs(out), torch.rand(2))  # the draw after the program too
+
+    assert_like_eager(program, lambda: (torch.randn(4, requires_grad=True),))

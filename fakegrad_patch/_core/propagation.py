@@ -218,9 +218,20 @@ class Propagation:
                 self._guarded(wb.nested_write, frame, func, written, op_args, op_kwargs)
                 if self.repair or wb.enabled:  # write-back needs it whatever the setting
                     self._guarded(self._shadow, frame, func, written, op_args, op_kwargs)
+            if self.repair and _random(func) and self._outer_ran_for_real(frame):
+                # the outer op drew its random numbers when it ran for real; its decomposition
+                # (uniform_ -> prims.uniform) must not draw them again
+                with _generators_kept(func, op_args, op_kwargs):
+                    return self._call(wrapped, args, kwargs, mode, func, (op_args, op_kwargs))
             return self._call(wrapped, args, kwargs, mode, func, (op_args, op_kwargs))
         finally:
             frame.depth -= 1
+
+    def _outer_ran_for_real(self, frame: Frame) -> bool:
+        """Did the outermost op of ``frame`` run for real (every fake argument with values)?"""
+        if not frame.scanned:
+            self._wb.scan(frame)
+        return frame.real_ok
 
     def _guarded(self, method: Any, *args: Any) -> None:
         try:
@@ -875,6 +886,59 @@ def _plain_plan(func: Any) -> frozenset[str]:
     if schema.name.partition("::")[2].startswith("set_"):
         return _NO_PLAN
     return written or frozenset({""})
+
+
+_RANDOM: dict[Any, bool] = {}
+
+
+def _random(func: Any) -> bool:
+    """Does ``func`` draw from a generator (``nondeterministic_seeded``)?"""
+    random = _RANDOM.get(func)
+    if random is None:
+        random = _RANDOM[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    return random
+
+
+class _generators_kept:
+    """The generators an op draws from have the same state after it as before: its explicit
+    ``generator`` argument, else the default generators of the devices it names or works on
+    (CPU and CUDA; another device's default generator is not reachable by a public API and is
+    left to draw)."""
+
+    def __init__(self, func: Any, op_args: Any, op_kwargs: Any) -> None:
+        self.kept: list[tuple[Any, Any]] = []
+        generators = [v for v in (*op_args, *op_kwargs.values()) if isinstance(v, torch.Generator)]
+        if not generators:
+            devices = {t.device for t in _flat_tensors((*op_args, *op_kwargs.values()))}
+            device = op_kwargs.get("device")
+            if device is not None:
+                devices.add(torch.device(device))
+            if not devices:
+                devices.add(torch.device("cpu"))
+            for d in devices:
+                if d.type == "cpu":
+                    generators.append(torch.random.default_generator)
+                elif d.type == "cuda" and torch.cuda.is_initialized():
+                    index = d.index if d.index is not None else torch.cuda.current_device()
+                    generators.append(torch.cuda.default_generators[index])
+        self.kept = [(g, g.get_state()) for g in generators]
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        for generator, state in self.kept:
+            generator.set_state(state)
+
+
+def _flat_tensors(values: Any) -> list[Any]:
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, list | tuple):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
 
 
 def _map_tensors(fn: Any, value: Any) -> Any:
