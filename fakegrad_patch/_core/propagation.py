@@ -73,6 +73,7 @@ class Propagation:
         # resolved once: every optional touch point may be absent on a build
         self._from_meta = _targets._resolve_optional(_targets.FROM_META_AND_DEVICE)
         self._in_kernel = _targets._resolve_optional(_targets.IN_KERNEL_INVOCATION)
+        self._allow_numbers = _targets._resolve_optional(_targets.SHOULD_ALLOW_NUMBERS)
         self._can_read_frames = (
             _targets._resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT) is not None
         )
@@ -292,9 +293,48 @@ class Propagation:
                 self._applied._mismatch.report(exc)  # a metadata mismatch, said plainly
                 raise
             return result
-        if self.repair and _fresh_outputs(func):
-            return self._agreeing(mode, func, result)
+        if self.repair:
+            if _fresh_outputs(func):
+                return self._agreeing(mode, func, result)
+            written = _written_names(func)
+            if written:
+                self._guarded(self._restride, mode, func, op, written)
         return result
+
+    def _restride(self, mode: Any, func: Any, op: Any, written: frozenset[str]) -> None:
+        """After an ``out=`` or in-place op: a written fake whose real values were laid out
+        otherwise by the real kernel (an empty ``out`` resized like a non-contiguous input;
+        the meta kernel resizes it contiguous) gets their strides and offset, as eager has."""
+        if self._in_kernel is None:
+            return
+        op_args, op_kwargs = op
+        for index, argument in enumerate(func._schema.arguments):
+            if argument.name not in written:
+                continue
+            value = op_args[index] if index < len(op_args) else op_kwargs.get(argument.name)
+            for t in _flat_tensors((value,)):
+                real = getattr(t, "real_tensor", None) if self._is_fake(t) else None
+                if (
+                    real is None
+                    or t.layout != torch.strided
+                    or real.layout != torch.strided
+                    or t.shape != real.shape
+                    or (t.stride() == real.stride() and t.storage_offset() == real.storage_offset())
+                    or _extent(real) * real.element_size() > t.untyped_storage().nbytes()
+                ):
+                    continue
+                with self._in_kernel(mode):
+                    torch.ops.aten.as_strided_.default(
+                        t, real.shape, real.stride(), real.storage_offset()
+                    )
+                self._report(
+                    "restrided",
+                    "propagation_rebuilt",
+                    func,
+                    reason="strides",
+                    cause="a written fake's strides differ from its real values'",
+                    outputs="fake",
+                )
 
     def _plain_values(self, mode: Any, func: Any, op: Any) -> list[Any] | None:
         """Before upstream's real run of an op that is not a view: the arguments whose values
@@ -302,12 +342,9 @@ class Propagation:
         real kernel, called inside the mode, would read the raw storage; eager's Conjugate,
         Negative and ZeroTensor fallbacks materialize them first). None when there are none
         (the common case). Written arguments get the op's update copied back afterwards."""
-        plan = _PLAIN_PLAN.get(func)
-        if plan is None:
-            plan = _PLAIN_PLAN[func] = _plain_plan(func)
-        if plan is _NO_PLAN:
+        if _aliasing(func):
             return None
-        written_names = plan
+        written_names = _written_names(func)
         op_args, op_kwargs = op
         is_fake = self._is_fake
         swaps: list[Any] = []
@@ -378,7 +415,7 @@ class Propagation:
             "propagation_rebuilt",
             func,
             reason="unchecked mismatch",
-            cause="a fake output's sizes, dtype or device differ from its real values",
+            cause="a fake output's sizes, dtype, device or strides differ from its real values",
             outputs="real",
         )
         return rebuilt
@@ -441,6 +478,8 @@ class Propagation:
         fakes made from its outputs; upstream's fake implementation, the second real run of its
         decomposition and the cross-check are skipped (issue 41). ``_NOT_FAST`` otherwise (then
         nothing ran)."""
+        if self._numbers_as_tensors(func) and not _has_fake(op, self._is_fake):
+            return _NOT_FAST  # upstream runs it on the real arguments: a constant if small
         reals = self._real_arguments(mode, op)
         if reals is _NOT_FAST:
             return _NOT_FAST
@@ -481,7 +520,11 @@ class Propagation:
             if not _convertible(mode, base):
                 return _NOT_FAST
             base = _convert(mode, base)
-        elif getattr(base, "fake_mode", None) is not mode or base.layout != torch.strided:
+        elif (
+            getattr(base, "fake_mode", None) is not mode
+            or base.layout != torch.strided
+            or getattr(base, "constant", None) is not None
+        ):
             return _NOT_FAST
         base_real = getattr(base, "real_tensor", None)
         if (
@@ -510,6 +553,15 @@ class Propagation:
         if trace.enabled(trace.DEBUG):
             trace.emit("propagation_fast", trace.DEBUG, op=str(func))
         return result
+
+    def _numbers_as_tensors(self, func: Any) -> bool:
+        """Does FakeTensorMode run ``func`` on all-real arguments itself (numbers bound to
+        tensors: ``torch.div(4, 4)``), making a small output a constant?"""
+        allowed = _NUMBERS.get(func)
+        if allowed is None:
+            check = self._allow_numbers
+            allowed = _NUMBERS[func] = bool(check is not None and check(func))
+        return allowed
 
     def _run(self, func: Any, reals: Any) -> Any:
         """The real kernel on the real arguments, as eager runs it where values may carry a
@@ -577,8 +629,12 @@ class Propagation:
         upstream must see (another mode's fake, no values, a subclass, not strided)."""
         if isinstance(value, torch.Tensor):
             if is_fake(value):
-                if getattr(value, "fake_mode", None) is not mode or value.layout != torch.strided:
-                    return _NOT_FAST
+                if (
+                    getattr(value, "fake_mode", None) is not mode
+                    or value.layout != torch.strided
+                    or getattr(value, "constant", None) is not None
+                ):
+                    return _NOT_FAST  # constants: upstream folds them and tracks their writes
                 fake = value
             else:
                 if not _convertible(mode, value):
@@ -867,25 +923,53 @@ def _kind(func: Any, mode: Any) -> str:
     return _OTHER
 
 
-_NO_PLAN: frozenset[str] = frozenset()
-#: op -> the names of the arguments it writes (plain values for its real run), or ``_NO_PLAN``
-#: (a view, an ``inplace_view`` op, ``set_``: their outputs alias the raw storage itself)
-_PLAIN_PLAN: dict[Any, frozenset[str]] = {}
+#: op -> does it alias its arguments' storage without writing their values (a view, an
+#: ``inplace_view`` op, ``set_``)? Their outputs must alias the raw storage itself.
+_ALIASING: dict[Any, bool] = {}
 
 
-def _plain_plan(func: Any) -> frozenset[str]:
-    schema = getattr(func, "_schema", None)
-    if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ()):
-        return _NO_PLAN
-    written = frozenset(
-        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
-    )
-    returns_alias = any(r.alias_info is not None for r in schema.returns)
-    if returns_alias and not written:
-        return _NO_PLAN  # a view
-    if schema.name.partition("::")[2].startswith("set_"):
-        return _NO_PLAN
-    return written or frozenset({""})
+def _aliasing(func: Any) -> bool:
+    aliasing = _ALIASING.get(func)
+    if aliasing is None:
+        schema = getattr(func, "_schema", None)
+        aliasing = (
+            schema is None
+            or torch.Tag.inplace_view in getattr(func, "tags", ())
+            or schema.name.partition("::")[2].startswith("set_")
+            or (any(r.alias_info is not None for r in schema.returns) and not _written_names(func))
+        )
+        _ALIASING[func] = aliasing
+    return aliasing
+
+
+_WRITTEN: dict[Any, frozenset[str]] = {}
+
+
+def _written_names(func: Any) -> frozenset[str]:
+    """The names of the arguments ``func``'s schema writes (not ``inplace_view`` ops: they
+    write metadata, which upstream's fake side already follows)."""
+    names = _WRITTEN.get(func)
+    if names is None:
+        schema = getattr(func, "_schema", None)
+        names = (
+            frozenset()
+            if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ())
+            else frozenset(
+                a.name
+                for a in schema.arguments
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+        )
+        _WRITTEN[func] = names
+    return names
+
+
+#: op -> does FakeTensorMode run it on all-real arguments itself (SHOULD_ALLOW_NUMBERS)
+_NUMBERS: dict[Any, bool] = {}
+
+
+def _has_fake(op: Any, is_fake: Any) -> bool:
+    return any(is_fake(t) for t in _flat_tensors((*op[0], *op[1].values())))
 
 
 _RANDOM: dict[Any, bool] = {}
@@ -1006,10 +1090,19 @@ def _false_mutation(exc: BaseException, func: Any, op: Any) -> bool:
 
 
 def _disagrees(t: Any) -> bool:
-    """A fake whose own real values have other sizes, dtype or device."""
+    """A fake whose own real values have other sizes, dtype, device or strides (the real
+    kernel's strides are eager's: a meta kernel's may differ, ``rrelu`` and training
+    ``batch_norm`` on a non-contiguous input)."""
     real = getattr(t, "real_tensor", None) if isinstance(t, torch.Tensor) else None
     return real is not None and (
-        t.shape != real.shape or t.dtype != real.dtype or t.device != real.device
+        t.shape != real.shape
+        or t.dtype != real.dtype
+        or t.device != real.device
+        or (
+            t.layout == torch.strided
+            and real.layout == torch.strided
+            and (t.stride() != real.stride() or t.storage_offset() != real.storage_offset())
+        )
     )
 
 
