@@ -150,7 +150,7 @@ def _outcomes(junit: pathlib.Path) -> tuple[dict[str, str], list[str]]:
         name = case.get("name") or ""
         children = {child.tag: child for child in case}
         if "error" in children and not cls:
-            collection.append(children["error"].get("message") or name)
+            collection.append(_first_lines(children["error"]) or name)
             continue
         if "failure" in children:
             outcome = "failed"
@@ -165,18 +165,23 @@ def _outcomes(junit: pathlib.Path) -> tuple[dict[str, str], list[str]]:
     return outcomes, collection
 
 
+def _first_lines(element: ET.Element, count: int = 3) -> str:
+    """The first lines of a failure's or error's report: its ``E`` lines (junit's message
+    attribute is cut at one line), or its text."""
+    text = element.text or element.get("message") or ""
+    lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    lines = [line for line in lines if line] or text.strip().splitlines()
+    return "\n".join(lines[:count])
+
+
 def _messages(junit: pathlib.Path) -> dict[str, str]:
-    """The first lines of each failing test's message, by id."""
+    """The first lines of each failing test's report, by id."""
     out: dict[str, str] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         cls = (case.get("classname") or "").rsplit(".", 1)[-1]
         for child in case:
             if child.tag in ("failure", "error"):
-                # the report's ``E`` lines (junit's message attribute is cut at one line)
-                text = child.text or child.get("message") or ""
-                lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
-                lines = [line for line in lines if line] or text.strip().splitlines()
-                out[f"{cls}::{case.get('name')}"] = "\n".join(lines[:3])
+                out[f"{cls}::{case.get('name')}"] = _first_lines(child)
     return out
 
 
@@ -289,6 +294,7 @@ def _summary(result: dict[str, Any]) -> str:
     for name in ("baseline", "patched"):
         session = result[name]
         lines.append(f"{name}: {counts(session['outcomes'])} in {session['seconds']} s")
+        lines.extend(f"  collection error: {e}" for e in session["collection_errors"])
     comparison = result["comparison"]
     messages = result["patched"]["messages"]
     for key in ("regressions", "deliberate", "stale", "changed"):
@@ -399,7 +405,8 @@ def test_outcomes_are_read_from_junit(tmp_path: pathlib.Path) -> None:
         '<skipped type="pytest.skip" message="cuda"/></testcase>'
         '<testcase classname="test_fake_tensor.A" name="test_xf">'
         '<skipped type="pytest.xfail" message=""/></testcase>'
-        '<testcase classname="" name="test_fake_tensor"><error message="collection failure"/>'
+        '<testcase classname="" name="test_fake_tensor"><error message="collection failure">'
+        "E   ModuleNotFoundError: No module named 'x'</error>"
         "</testcase></testsuite></testsuites>"
     )
     outcomes, collection = _outcomes(junit)
@@ -410,7 +417,7 @@ def test_outcomes_are_read_from_junit(tmp_path: pathlib.Path) -> None:
         "A::test_skip": "skipped",
         "A::test_xf": "xfailed",
     }
-    assert collection == ["collection failure"]
+    assert collection == ["ModuleNotFoundError: No module named 'x'"]
 
 
 def test_compare_finds_regressions_and_leaves_deliberate_changes_out() -> None:
