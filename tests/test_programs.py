@@ -274,3 +274,51 @@ def test_random_numbers_are_drawn_as_eager_draws_them(setting: str, name: str) -
         return (*outputs(out), torch.rand(2))  # the draw after the program too
 
     assert_like_eager(program, lambda: (torch.randn(4, requires_grad=True),))
+
+
+# -- FakeTensorMode's own semantics: constants ----------------------------------------------------
+
+
+def _constants() -> dict[str, Any]:
+    """What FakeTensorMode's constant tracking says about a few programs (in a propagating mode
+    without ``allow_non_fake_inputs``, as PyTorch's own tests run it)."""
+    seen: dict[str, Any] = {}
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        a = torch.tensor([4.0])
+        seen["literal"] = a.constant
+        seen["view_of_literal"] = a[:].constant
+        seen["folded_div"] = torch.div(4, 4, rounding_mode="trunc").constant
+        seen["folded_op_on_constants"] = (a * 2).constant
+        x = torch.tensor([1])
+        y = x.expand([4])
+        y[0] = 5  # a write through a view invalidates the constant it aliases
+        seen["after_a_write_through_a_view"] = x.constant
+        real = x.real_tensor
+    seen["real_value_after_the_write"] = real.clone()
+    return seen
+
+
+def test_constant_tracking_is_upstreams(setting: str) -> None:
+    """The fast path stood in front of it: ``tensor([4.0])[:]`` lost its constant,
+    ``div(4, 4)`` was not folded, and a write through a view of a constant did not invalidate
+    it (``x.item()`` then read the stale constant)."""
+    ours = _constants()
+    fakegrad_patch.configure(propagation="upstream")
+    theirs = _constants()
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        if theirs[key] is None:
+            assert ours[key] is None, key
+        else:
+            assert ours[key] is not None and torch.equal(ours[key], theirs[key]), key
+    assert ours["after_a_write_through_a_view"] is None
+    assert torch.equal(ours["real_value_after_the_write"], torch.tensor([5]))
+
+
+def test_item_after_a_write_through_a_view_of_a_constant_is_the_written_value(
+    setting: str,
+) -> None:
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        x = torch.tensor([1])
+        x.expand([4])[0] = 5
+        assert x.item() == 5  # upstream refuses (data-dependent); never the stale 1
