@@ -322,3 +322,39 @@ def test_item_after_a_write_through_a_view_of_a_constant_is_the_written_value(
         x = torch.tensor([1])
         x.expand([4])[0] = 5
         assert x.item() == 5  # upstream refuses (data-dependent); never the stale 1
+
+
+# -- in-place updates of real tensors, then read again inside the mode ---------------------------
+
+WRITES_THEN_READ: dict[str, Callable[[torch.Tensor], None]] = {
+    "through_a_view_of_a_view": lambda x: x.view(2, 3)[:, :2].add_(1),
+    "directly": lambda x: x.add_(1),
+    "through_a_slice": lambda x: x[:2].add_(1),
+    "through_a_full_view": lambda x: x.view(6).add_(1),
+}
+
+
+@pytest.mark.parametrize("write", WRITES_THEN_READ)
+def test_a_buffer_written_inside_the_mode_is_read_back_with_the_write(
+    setting: str, write: str
+) -> None:
+    """With write-back, the buffer and what the mode reads of it afterwards are eager's: the
+    fake that aliased the buffer died with the views, and the converter's storage memo gave the
+    next conversion the copy of the first one (stale: [0, 1, 2, ...] after the write)."""
+    fakegrad_patch.configure(buffers="write_back")
+
+    def program(x: torch.Tensor) -> Any:
+        WRITES_THEN_READ[write](x)
+        return x * 1, x.sum()
+
+    def make() -> tuple[torch.Tensor]:
+        return (torch.arange(6.0),)
+
+    e_values, _, _, _ = run(program, make, fake=False)
+    torch.manual_seed(0)
+    buffer = make()[0]
+    with fake_mode():
+        read = [logical(t) for t in program(buffer)]
+    for f, e in zip(read, e_values, strict=True):
+        assert torch.equal(f, e)
+    assert torch.equal(buffer, e_values[0])

@@ -257,6 +257,11 @@ class Values:
                 reason = "stale"
         elif self._d2_applies(root, foreign):
             reason = "d2"  # upstream just made this copy, uninitialised on builds with D2
+        elif entry is not None and entry[2] != version:
+            # a buffer never synced here, and the source changed since its last sync: the
+            # converter's storage memo hands a new fake the copy of an earlier conversion (the
+            # fake that aliased the source under write-back died meanwhile)
+            reason = "stale"
         if reason is not None:
             self._copy_values(real, values, source, reason)
         table.set(root, (weakref.ref(fake_root), data, version))
