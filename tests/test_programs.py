@@ -326,7 +326,7 @@ def test_item_after_a_write_through_a_view_of_a_constant_is_the_written_value(
 
 # -- in-place updates of real tensors, then read again inside the mode ---------------------------
 
-WRITES_THEN_READ: dict[str, Callable[[torch.Tensor], None]] = {
+WRITES_THEN_READ: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "through_a_view_of_a_view": lambda x: x.view(2, 3)[:, :2].add_(1),
     "directly": lambda x: x.add_(1),
     "through_a_slice": lambda x: x[:2].add_(1),
@@ -344,8 +344,8 @@ def test_a_buffer_written_inside_the_mode_is_read_back_with_the_write(
     fakegrad_patch.configure(buffers="write_back")
 
     def program(x: torch.Tensor) -> Any:
-        WRITES_THEN_READ[write](x)
-        return x * 1, x.sum()
+        written = WRITES_THEN_READ[write](x)  # the view stays alive while x is read
+        return x * 1, x.sum(), written
 
     def make() -> tuple[torch.Tensor]:
         return (torch.arange(6.0),)
