@@ -237,7 +237,11 @@ DESCRIBED_TENSORS = Target(
 #: breaks, and on 2.13 a broken resume function). Called for ``fakegrad_patch`` and ``wrapt``
 #: (its import finder runs for every import once a post-import hook is registered) when
 #: ``torch._dynamo`` is imported (a wrapt post-import hook; the patch never imports it). Same
-#: name on 2.13.0, 2.14.1 and 2.15.0.
+#: name on 2.13.0, 2.14.1 and 2.15.0. Skipped is not invisible: a function of ours that code
+#: dynamo traces *calls* is a graph break there ("Attempted to call function marked as
+#: skipped"; in a loop the whole frame runs uncompiled). So nothing of ours is registered where
+#: traced code calls it (a global hook of torch) unless a propagating user mode needs it:
+#: write-back's optimizer step post-hook (_core/writeback.py; seen on 2.4.0, 2.13.0, 2.14.1).
 DYNAMO_SKIP = Target(
     "torch._dynamo.trace_rules",
     "add",

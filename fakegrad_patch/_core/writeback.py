@@ -31,7 +31,10 @@ mode applies to it for real happens to the real tensor, as in eager mode. Exactl
 Every write-back is traced (``buffer_written_back``, with bytes). Turning write-back off (or
 ``uninstall()``) gives every aliased fake a private copy again. ``dispatch`` is wrapped only
 while a propagating user mode lives or write-back is on (a :class:`_sites.Site`): with no such
-mode, nothing here runs and ``dispatch`` is torch's own function.
+mode, nothing here runs and ``dispatch`` is torch's own function. The global optimizer step
+post-hook that makes optimizer state born inside the mode real is registered only from the
+first propagating user mode on (a :class:`_sites.HookSite`): a process that never builds one,
+torch.compile included, keeps torch's hooks as they were.
 
 Registries: WeakIdTables (O(1), never keeping a tensor alive) and a per-thread frame stack.
 """
@@ -46,6 +49,7 @@ import torch
 
 from .. import trace
 from . import leaves as _leaves
+from . import sites as _sites
 from . import state as _state
 from .state import warn_once
 from .weak import WeakIdTable
@@ -175,7 +179,16 @@ class WriteBack:
             if self.enabled:
                 return True
             self.enabled = True
-            self._step_hook = register(self._after_optimizer_step) if register else None
+            # Registered from the first propagating user mode on, not now: TorchDynamo calls
+            # every global step post-hook where it traces an optimizer step, and a function of
+            # ours (on its skip list) there is a graph break inside the hooks' loop, which fails
+            # the whole frame (one frame fewer compiled under compiled autograd with optimizers
+            # stepped in post-accumulate-grad hooks). Optimizer state is only born fake inside
+            # such a mode, which is seen (built or converting) before that step's post-hooks run.
+            site = _sites.HookSite(register, self._after_optimizer_step) if register else None
+            self._step_hook = site
+        if site is not None:
+            site.start()  # outside our lock: registers now where a propagating user mode lives
         self._dispatcher.set_policy(True)  # wrapped while write-back is on, modes or not
         if trace.enabled(trace.INFO):
             trace.emit("write_back_enabled", trace.INFO)
@@ -196,7 +209,7 @@ class WriteBack:
         if self._dispatcher is not None:
             self._dispatcher.set_policy(False)
         if hook is not None:
-            hook.remove()
+            hook.close()
         count = sum(self._unalias(fake, real) for fake, real in aliased)
         if trace.enabled(trace.INFO):
             trace.emit("write_back_disabled", trace.INFO, unaliased=count)
