@@ -358,3 +358,45 @@ def test_a_buffer_written_inside_the_mode_is_read_back_with_the_write(
     for f, e in zip(read, e_values, strict=True):
         assert torch.equal(f, e)
     assert torch.equal(buffer, e_values[0])
+
+
+# -- `.data` assignment inside the mode ------------------------------------------------------------
+
+DATA_ASSIGNMENTS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "scaled_copy_of_itself": lambda p: p.data * 2,
+    "new_values_of_the_same_shape": lambda p: torch.ones(3),
+    "another_shape": lambda p: torch.arange(6.0).reshape(2, 3),
+}
+
+
+@pytest.mark.parametrize("assignment", DATA_ASSIGNMENTS)
+def test_data_assigned_inside_the_mode_is_eagers(setting: str, assignment: str) -> None:
+    """``real.data = fake`` made the real Parameter a meta tensor (every later op failed; after
+    the mode it was garbage)."""
+    new = DATA_ASSIGNMENTS[assignment]
+
+    def program(p: torch.Tensor) -> Any:
+        p.data = new(p)
+        (p * 3).sum().backward()
+        return p * 1
+
+    def make() -> tuple[torch.Tensor]:
+        return (torch.nn.Parameter(torch.arange(3.0)),)
+
+    assert_like_eager(program, make)
+    (p,) = make()
+    with fake_mode():
+        program(p)
+    assert type(p) is torch.nn.Parameter and p.device.type == "cpu"
+
+
+def test_the_data_property_is_torchs_own_once_no_propagating_mode_lives() -> None:
+    import gc
+
+    mode = fake_mode()
+    with mode:
+        torch.ones(1) * 2
+        assert "data" in torch.Tensor.__dict__  # ours, while the mode lives
+    del mode
+    gc.collect()
+    assert "data" not in torch.Tensor.__dict__

@@ -48,6 +48,7 @@ from .. import trace
 from . import sites as _sites
 from . import state as _state
 from . import targets as _targets
+from .dataattr import make_data_property
 from .writeback import Frame, WriteBack, _op_arguments, _private_copy, _storage, _written_tensors
 
 
@@ -120,6 +121,17 @@ class Propagation:
                         lost="in-place updates of real tensors inside the mode are not watched",
                     )
                 ]
+                if "data" not in torch.Tensor.__dict__:
+                    sites.append(
+                        _sites.Site(
+                            torch.Tensor,
+                            "data",
+                            make_data_property(self._is_fake),
+                            _sites.ABSENT,
+                            registry=_sites.user_modes,
+                            lost="`real.data = fake` inside the mode makes the tensor a meta one",
+                        )
+                    )
                 module = self._r.fake_tensor_module
                 fallback = module.__dict__.get("run_fallback_kernel")
                 if fallback_ok and self._can_read_frames and callable(fallback):
