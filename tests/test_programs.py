@@ -400,3 +400,27 @@ def test_the_data_property_is_torchs_own_once_no_propagating_mode_lives() -> Non
     del mode
     gc.collect()
     assert "data" not in torch.Tensor.__dict__
+
+
+# -- set_(): a tensor made to alias another's storage ------------------------------------------------
+
+SET_STORAGE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "real_storage_with_offset": lambda a: torch.empty(0).set_(a.untyped_storage(), 1, (2,), (1,)),
+    "real_storage_whole": lambda a: torch.empty(0).set_(a.untyped_storage()),
+    "fake_source": lambda a: torch.empty(0).set_(a * 2),
+    "fake_source_with_offset": lambda a: torch.empty(0).set_(a * 2, 1, (2,), (2,)),
+    "fake_storage": lambda a: torch.empty(0).set_((a * 2).untyped_storage(), 2, (2,), (1,)),
+}
+
+
+@pytest.mark.parametrize("how", SET_STORAGE)
+def test_set_storage_inside_the_mode_is_eagers(setting: str, how: str) -> None:
+    """Upstream's real run got a fake's meta storage, or its fake side a real storage, and
+    both refused ('set the storage of a tensor on device cpu to a storage on different device
+    meta')."""
+
+    def program(a: torch.Tensor) -> Any:
+        t = SET_STORAGE[how](a)
+        return t * 1, t
+
+    assert_like_eager(program, lambda: (torch.arange(6.0),))

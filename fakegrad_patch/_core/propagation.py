@@ -257,6 +257,10 @@ class Propagation:
         kernel that refuses, disagrees, is missing or raises; propagation's own cross-check),
         the real kernel's outputs. Upstream's schema checks of custom ops (mutation, aliasing)
         stand, but for its false report on ``None`` optional arguments."""
+        if self.repair and func in _SET_STORAGE:
+            result = self._set_storage(mode, func, op)
+            if result is not _NOT_FAST:
+                return result
         if self.fast:
             kind = _KIND.get(func)
             if kind is None:
@@ -414,6 +418,17 @@ class Propagation:
         propagation does not check it (2.4: no cross-check; a custom op's wrong fake kernel),
         the fake is made again from its values (``propagation_rebuilt``)."""
         outs = result if isinstance(result, tuple | list) else (result,)
+        for t in outs:
+            # the real storage each new fake's storage stands for (meta_utils' convention, as
+            # the converter's and the fast path's fakes have it): set_() with it finds it
+            real = getattr(t, "real_tensor", None) if isinstance(t, torch.Tensor) else None
+            if (
+                real is not None
+                and real.layout == torch.strided
+                and t.layout == torch.strided
+                and not _is_zero(real)
+            ):
+                _targets.set_real_storage(t.untyped_storage(), real.untyped_storage())
         if not any(_disagrees(t) for t in outs):
             return result  # the common case
         try:
@@ -566,6 +581,62 @@ class Propagation:
             trace.emit("propagation_fast", trace.DEBUG, op=str(func))
         return result
 
+    def _set_storage(self, mode: Any, func: Any, op: Any) -> Any:
+        """``fake.set_(storage, offset, size, stride)`` (and ``set_(source)``): upstream's real
+        run gets a meta storage (a fake's), or its fake side a real one, and either refuses.
+        The real tensor is set to the real storage and the fake to the meta one, each with the
+        same offset, sizes and strides; a real storage (``fake.set_(t.untyped_storage())``) is
+        converted first as an op input is (a copy of its values, or itself under write-back).
+        ``_NOT_FAST`` where the storage's values are not known (upstream's path then)."""
+        if self._in_kernel is None:
+            return _NOT_FAST
+        op_args, op_kwargs = op
+        names = ("self", "source", "storage_offset", "size", "stride")
+        params = dict(zip(names[: len(op_args)], op_args, strict=True))
+        params.update(op_kwargs)
+        t, source = params["self"], params["source"]
+        t_real = getattr(t, "real_tensor", None) if self._is_fake(t) else None
+        if t_real is None or getattr(t, "fake_mode", None) is not mode:
+            return _NOT_FAST
+        if isinstance(source, torch.Tensor):
+            fake = source if self._is_fake(source) else None
+        elif source.device.type == "meta":
+            # a fake's storage: the real storage it stands for (meta_utils' convention)
+            real_storage = _targets.real_storage_of(source)
+            if real_storage is None:
+                return _NOT_FAST
+            with self._r.no_dispatch():
+                meta = torch.empty(0, dtype=t.dtype, device="meta")
+                meta.set_(source)
+                base = torch.empty(0, dtype=t.dtype, device=real_storage.device)
+                base.set_(real_storage)
+            fake = self._from_meta(mode.fake_tensor_converter, mode, meta, t.device)
+            fake.real_tensor = base
+        else:
+            with self._r.no_dispatch():
+                base = torch.empty(0, dtype=t.dtype, device=source.device)
+                base.set_(source)
+            fake = _convert(mode, base)
+        real = getattr(fake, "real_tensor", None)
+        if fake is None or real is None or getattr(fake, "fake_mode", None) is not mode:
+            return _NOT_FAST
+        if "size" in params:
+            where = (params["storage_offset"], params["size"], params.get("stride") or [])
+        else:  # set_(storage) / set_(tensor): the whole storage, or the tensor's view of it
+            where = (
+                (0, [real.untyped_storage().nbytes() // real.element_size()], [1])
+                if not isinstance(source, torch.Tensor)
+                else (real.storage_offset(), list(real.shape), list(real.stride()))
+            )
+        with self._r.no_dispatch():
+            t_real.set_(real.untyped_storage(), *where)
+        with self._in_kernel(mode):
+            torch.ops.aten.set_.source_Storage_storage_offset(t, fake.untyped_storage(), *where)
+        self._report(
+            "set_storage", "propagation_rebuilt", func, reason="set_", cause="", outputs="fake"
+        )
+        return t
+
     def _numbers_as_tensors(self, func: Any) -> bool:
         """Does FakeTensorMode run ``func`` on all-real arguments itself (numbers bound to
         tensors: ``torch.div(4, 4)``), making a small output a constant?"""
@@ -703,6 +774,7 @@ class Propagation:
                 )
             fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
             fake.real_tensor = real
+            _targets.set_real_storage(meta.untyped_storage(), real.untyped_storage())
         return fake
 
     # -- the fallback kernel -------------------------------------------------------------------
@@ -974,6 +1046,16 @@ def _written_names(func: Any) -> frozenset[str]:
         )
         _WRITTEN[func] = names
     return names
+
+
+_SET_STORAGE = frozenset(
+    {
+        torch.ops.aten.set_.source_Storage,
+        torch.ops.aten.set_.source_Storage_storage_offset,
+        torch.ops.aten.set_.source_Tensor,
+        torch.ops.aten.set_.source_Tensor_storage_offset,
+    }
+)
 
 
 #: op -> does FakeTensorMode run it on all-real arguments itself (SHOULD_ALLOW_NUMBERS)

@@ -497,6 +497,22 @@ def forget_conversion(converter: Any, t: Any) -> bool:
     return True
 
 
+#: READ and WRITTEN: meta_utils' convention (2.4.0 ... 2.15.0): the meta storage of a fake the
+#: converter made in a propagating mode carries the real storage it stands for as its
+#: ``real_storage`` attribute. The fast path gives the storages of the fakes it makes the same
+#: attribute, so that ``fake.set_(other_fake.untyped_storage(), ...)`` finds the real storage.
+REAL_STORAGE_ATTR = "real_storage"
+
+
+def real_storage_of(meta_storage: Any) -> Any:
+    """The real storage a fake's meta storage stands for, or None."""
+    return getattr(meta_storage, REAL_STORAGE_ATTR, None)
+
+
+def set_real_storage(meta_storage: Any, real_storage: Any) -> None:
+    setattr(meta_storage, REAL_STORAGE_ATTR, real_storage)
+
+
 # Public, documented torch APIs we also rely on (listed for completeness; not private):
 # torch.autograd.graph.get_gradient_edge (>=2.2), Node.register_prehook, Node.next_functions,
 # AccumulateGrad.variable, Tensor._base, Tensor.retains_grad, Tensor._version.
