@@ -764,17 +764,22 @@ class Propagation:
         ):
             raise _CannotRebuild
         with self._r.no_dispatch():
-            if real.storage_offset() == 0:
+            storage = real.untyped_storage()
+            nbytes = storage.nbytes()
+            if real.storage_offset() == 0 and nbytes == real.numel() * real.element_size():
                 meta = torch.empty_strided(
                     real.shape, real.stride(), dtype=real.dtype, device="meta"
                 )
             else:
-                meta = torch.empty(_extent(real), dtype=real.dtype, device="meta").as_strided(
+                # the fake's storage as large as the real one (a kernel that resizes its output
+                # down keeps the whole buffer: as_strided within it is valid in eager)
+                size = max(nbytes // real.element_size(), _extent(real))
+                meta = torch.empty(size, dtype=real.dtype, device="meta").as_strided(
                     real.shape, real.stride(), real.storage_offset()
                 )
             fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
             fake.real_tensor = real
-            _targets.set_real_storage(meta.untyped_storage(), real.untyped_storage())
+            _targets.set_real_storage(meta.untyped_storage(), storage)
         return fake
 
     # -- the fallback kernel -------------------------------------------------------------------
