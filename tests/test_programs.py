@@ -93,7 +93,7 @@ def assert_like_eager(
     assert torch.equal(f_rng, e_rng), "the program drew random numbers differently"
 
 
-# -- ZeroTensors: autograd's zero gradients (double backward, forward AD) -----------------------
+# -- ZeroTensors: autograd's zero gradients (double backward, forward AD) --------------------------
 
 #: Each program takes its leaves and runs a double backward whose formulas make
 #: ``aten._efficientzerotensor`` (a ZeroTensor: no storage). A fake made from a real ZeroTensor
@@ -184,7 +184,7 @@ def test_torch_func_jvp(setting: str) -> None:
     assert_like_eager(program, lambda: (torch.randn(4), torch.randn(4)))
 
 
-# -- complex values: conjugate and negative bits ------------------------------------------------
+# -- complex values: conjugate and negative bits ---------------------------------------------------
 
 #: Real kernels called inside a dispatch mode run with the Conjugate and Negative keys excluded:
 #: they read a conjugate view's raw storage, and a composite kernel's own conjugate views
@@ -233,7 +233,7 @@ def test_complex_programs_follow_eager(setting: str, name: str) -> None:
     assert_like_eager(program, _complex_leaves)
 
 
-# -- random numbers: drawn once, as eager draws them ---------------------------------------------
+# -- random numbers: drawn once, as eager draws them -----------------------------------------------
 
 
 def _linear_inside(x: torch.Tensor) -> Any:
@@ -276,7 +276,7 @@ def test_random_numbers_are_drawn_as_eager_draws_them(setting: str, name: str) -
     assert_like_eager(program, lambda: (torch.randn(4, requires_grad=True),))
 
 
-# -- FakeTensorMode's own semantics: constants ----------------------------------------------------
+# -- FakeTensorMode's own semantics: constants -----------------------------------------------------
 
 
 def _constants() -> dict[str, Any]:
@@ -324,7 +324,7 @@ def test_item_after_a_write_through_a_view_of_a_constant_is_the_written_value(
         assert x.item() == 5  # upstream refuses (data-dependent); never the stale 1
 
 
-# -- in-place updates of real tensors, then read again inside the mode ---------------------------
+# -- in-place updates of real tensors, then read again inside the mode -----------------------------
 
 WRITES_THEN_READ: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "through_a_view_of_a_view": lambda x: x.view(2, 3)[:, :2].add_(1),
@@ -369,6 +369,18 @@ DATA_ASSIGNMENTS: dict[str, Callable[[torch.Tensor], Any]] = {
 }
 
 
+def test_data_of_a_tensor_made_inside_the_mode(setting: str) -> None:
+    """``fake.data = other_fake``: set_data carries the metadata, not the propagated values
+    (a Python attribute): the fake kept its old values."""
+
+    def program(x: torch.Tensor) -> Any:
+        y = x * 2
+        y.data = torch.randn_like(y) + 5
+        return y * 1, y
+
+    assert_like_eager(program, lambda: (torch.randn(3),))
+
+
 @pytest.mark.parametrize("assignment", DATA_ASSIGNMENTS)
 def test_data_assigned_inside_the_mode_is_eagers(setting: str, assignment: str) -> None:
     """``real.data = fake`` made the real Parameter a meta tensor (every later op failed; after
@@ -402,7 +414,7 @@ def test_the_data_property_is_torchs_own_once_no_propagating_mode_lives() -> Non
     assert "data" not in torch.Tensor.__dict__
 
 
-# -- set_(): a tensor made to alias another's storage ------------------------------------------------
+# -- set_(): a tensor made to alias another's storage ----------------------------------------------
 
 SET_STORAGE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "real_storage_with_offset": lambda a: torch.empty(0).set_(a.untyped_storage(), 1, (2,), (1,)),
@@ -424,3 +436,34 @@ def test_set_storage_inside_the_mode_is_eagers(setting: str, how: str) -> None:
         return t * 1, t
 
     assert_like_eager(program, lambda: (torch.arange(6.0),))
+
+
+# -- a real leaf updated for real inside the mode (all-real arguments), viewed before --------------
+
+LEAF_UPDATES: dict[str, Callable[[torch.Tensor], None]] = {
+    # every argument real: FakeTensorMode runs these on the leaf itself, whatever the setting
+    "sgd_like_add_": lambda p: p.add_(p.grad, alpha=-0.1),
+    "mul_": lambda p: p.mul_(0.5),
+    # a fake argument (copy_) or none that FakeTensorMode runs for real (zero_): the update
+    # reaches the leaf with buffers="write_back" (reported, and lost, without it)
+    "copy_": lambda p: p.copy_(p.detach() * 3),
+    "zero_": lambda p: p.zero_(),
+}
+
+
+@pytest.mark.parametrize("update", LEAF_UPDATES)
+def test_views_made_before_a_real_update_of_their_leaf_read_it(setting: str, update: str) -> None:
+    """The views made of the leaf earlier are over the fake's copy, which followed only at the
+    leaf's next conversion: they read the old values until then."""
+    if update in ("copy_", "zero_"):
+        fakegrad_patch.configure(buffers="write_back")
+
+    def program(p: torch.Tensor) -> Any:
+        view = p.unsqueeze(0).expand(2, 3, 4)
+        other = p.t()
+        (view.sum() + other.sum()).backward()
+        with torch.no_grad():
+            LEAF_UPDATES[update](p)
+        return view * 1, other * 1, view, other
+
+    assert_like_eager(program, lambda: (torch.nn.Parameter(torch.randn(3, 4)),))

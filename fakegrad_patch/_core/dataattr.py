@@ -1,12 +1,14 @@
-"""``real.data = fake`` inside a propagating mode: the real tensor gets the fake's values.
+"""``t.data = fake`` inside a propagating mode: ``t`` gets the fake's values.
 
 ``Tensor.data``'s setter (``set_data``) makes the real tensor's implementation the fake's: a
 real Parameter then reports device meta, every later op on it fails, and after the mode it is
 garbage. Eager gives the tensor the new tensor's storage; here the new tensor is a fake whose
 propagated values are exactly that, so the real tensor gets them (aliased, as eager aliases),
 and every live converter forgets the fake it made of the old tensor. A fake without values is
-refused, loudly. While a propagating user mode lives, ``torch.Tensor.data`` is this property
-(a :class:`_sites.Site`); otherwise torch's own descriptor is inherited, untouched.
+refused, loudly. A fake given another fake's data takes its propagated values too (a Python
+attribute ``set_data`` does not carry). While a propagating user mode lives,
+``torch.Tensor.data`` is this property (a :class:`_sites.Site`); otherwise torch's own
+descriptor is inherited, untouched.
 """
 
 from __future__ import annotations
@@ -27,8 +29,14 @@ def make_data_property(is_fake: Any) -> property:
         return get(self, type(self))
 
     def set_data(self: Any, value: Any) -> None:
-        if not is_fake(value) or is_fake(self):
+        if not is_fake(value):
             put(self, value)
+            return
+        if is_fake(self):
+            # a fake's values are a Python attribute that set_data does not carry over
+            put(self, value)
+            if getattr(getattr(self, "fake_mode", None), "propagate_real_tensors", False):
+                self.real_tensor = getattr(value, "real_tensor", None)
             return
         mode = getattr(value, "fake_mode", None)
         if not getattr(mode, "propagate_real_tensors", False):
