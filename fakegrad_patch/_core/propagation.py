@@ -48,6 +48,7 @@ from .. import trace
 from . import sites as _sites
 from . import state as _state
 from . import targets as _targets
+from .dataattr import make_data_property
 from .writeback import Frame, WriteBack, _op_arguments, _private_copy, _storage, _written_tensors
 
 
@@ -120,6 +121,17 @@ class Propagation:
                         lost="in-place updates of real tensors inside the mode are not watched",
                     )
                 ]
+                if "data" not in torch.Tensor.__dict__:
+                    sites.append(
+                        _sites.Site(
+                            torch.Tensor,
+                            "data",
+                            make_data_property(self._is_fake),
+                            _sites.ABSENT,
+                            registry=_sites.user_modes,
+                            lost="`real.data = fake` inside the mode makes the tensor a meta one",
+                        )
+                    )
                 module = self._r.fake_tensor_module
                 fallback = module.__dict__.get("run_fallback_kernel")
                 if fallback_ok and self._can_read_frames and callable(fallback):
@@ -245,6 +257,17 @@ class Propagation:
         kernel that refuses, disagrees, is missing or raises; propagation's own cross-check),
         the real kernel's outputs. Upstream's schema checks of custom ops (mutation, aliasing)
         stand, but for its false report on ``None`` optional arguments."""
+        if self.repair and func in _SET_STORAGE:
+            result = self._set_storage(mode, func, op)
+            if result is not _NOT_FAST:
+                return result
+        if self.repair and _mutates_metadata(func) and mode.allow_non_fake_inputs:
+            result = self._mutate_metadata(mode, func, op)
+            if isinstance(result, _Converted):  # upstream's, on the converted arguments
+                op = (result.args, result.kwargs)
+                args, kwargs = (args[0], args[1], result.args, result.kwargs), {}
+            elif result is not _NOT_FAST:
+                return result
         if self.fast:
             kind = _KIND.get(func)
             if kind is None:
@@ -402,6 +425,17 @@ class Propagation:
         propagation does not check it (2.4: no cross-check; a custom op's wrong fake kernel),
         the fake is made again from its values (``propagation_rebuilt``)."""
         outs = result if isinstance(result, tuple | list) else (result,)
+        for t in outs:
+            # the real storage each new fake's storage stands for (meta_utils' convention, as
+            # the converter's and the fast path's fakes have it): set_() with it finds it
+            real = getattr(t, "real_tensor", None) if isinstance(t, torch.Tensor) else None
+            if (
+                real is not None
+                and real.layout == torch.strided
+                and t.layout == torch.strided
+                and not _is_zero(real)
+            ):
+                _targets.set_real_storage(t.untyped_storage(), real.untyped_storage())
         if not any(_disagrees(t) for t in outs):
             return result  # the common case
         try:
@@ -554,6 +588,105 @@ class Propagation:
             trace.emit("propagation_fast", trace.DEBUG, op=str(func))
         return result
 
+    def _set_storage(self, mode: Any, func: Any, op: Any) -> Any:
+        """``fake.set_(storage, offset, size, stride)`` (and ``set_(source)``): upstream's real
+        run gets a meta storage (a fake's), or its fake side a real one, and either refuses.
+        The real tensor is set to the real storage and the fake to the meta one, each with the
+        same offset, sizes and strides; a real storage (``fake.set_(t.untyped_storage())``) is
+        converted first as an op input is (a copy of its values, or itself under write-back).
+        ``_NOT_FAST`` where the storage's values are not known (upstream's path then)."""
+        if self._in_kernel is None:
+            return _NOT_FAST
+        op_args, op_kwargs = op
+        names = ("self", "source", "storage_offset", "size", "stride")
+        params = dict(zip(names[: len(op_args)], op_args, strict=True))
+        params.update(op_kwargs)
+        t, source = params["self"], params["source"]
+        t_real = getattr(t, "real_tensor", None) if self._is_fake(t) else None
+        if t_real is None or getattr(t, "fake_mode", None) is not mode:
+            return _NOT_FAST
+        if isinstance(source, torch.Tensor):
+            fake = source if self._is_fake(source) else None
+        elif source.device.type == "meta":
+            # a fake's storage: the real storage it stands for (meta_utils' convention)
+            real_storage = _targets.real_storage_of(source)
+            if real_storage is None:
+                return _NOT_FAST
+            with self._r.no_dispatch():
+                meta = torch.empty(0, dtype=t.dtype, device="meta")
+                meta.set_(source)
+                base = torch.empty(0, dtype=t.dtype, device=real_storage.device)
+                base.set_(real_storage)
+            fake = self._from_meta(mode.fake_tensor_converter, mode, meta, t.device)
+            fake.real_tensor = base
+        else:
+            with self._r.no_dispatch():
+                base = torch.empty(0, dtype=t.dtype, device=source.device)
+                base.set_(source)
+            fake = _convert(mode, base)
+            # the real tensor over the storage lives as long as the fake set to it: updates
+            # that reach only the copy are reported against it (the write-back watch holds
+            # real tensors weakly)
+            t._fakegrad_storage_owner = base
+        real = getattr(fake, "real_tensor", None)
+        if fake is None or real is None or getattr(fake, "fake_mode", None) is not mode:
+            return _NOT_FAST
+        if "size" in params:
+            where = (params["storage_offset"], params["size"], params.get("stride") or [])
+        else:  # set_(storage) / set_(tensor): the whole storage, or the tensor's view of it
+            where = (
+                (0, [real.untyped_storage().nbytes() // real.element_size()], [1])
+                if not isinstance(source, torch.Tensor)
+                else (real.storage_offset(), list(real.shape), list(real.stride()))
+            )
+        with self._r.no_dispatch():
+            t_real.set_(real.untyped_storage(), *where)
+        with self._in_kernel(mode):
+            torch.ops.aten.set_.source_Storage_storage_offset(t, fake.untyped_storage(), *where)
+        self._report(
+            "set_storage", "propagation_rebuilt", func, reason="set_", cause="", outputs="fake"
+        )
+        return t
+
+    def _mutate_metadata(self, mode: Any, func: Any, op: Any) -> Any:
+        """An op that changes its first argument's sizes or strides (``resize_``, ``t_``,
+        ``as_strided_``) with real tensors among its arguments: FakeTensorMode refuses every
+        one ('Can't call metadata mutating ops on non-Fake Tensor inputs'). Eager changes the
+        real tensor: every argument real, the op runs on them (every live converter forgets
+        its fake of the changed tensor); the first argument a fake, the others are converted
+        as op inputs are, for upstream's path (:class:`_Converted`). ``_NOT_FAST`` otherwise."""
+        op_args, op_kwargs = op
+        tensors = _flat_tensors((*op_args, *op_kwargs.values()))
+        is_fake = self._is_fake
+        if not tensors or not any(not is_fake(t) for t in tensors):
+            return _NOT_FAST  # all fake: upstream's
+        first = op_args[0] if op_args else None
+        if not isinstance(first, torch.Tensor):
+            return _NOT_FAST
+        if not any(is_fake(t) for t in tensors):
+            if not all(_convertible(mode, t) for t in tensors):
+                return _NOT_FAST
+            result = func(*op_args, **op_kwargs)
+            for ref in list(_sites.modes.values()):
+                live = ref()
+                converter = getattr(live, "fake_tensor_converter", None)
+                if converter is not None:
+                    _targets.forget_conversion(converter, first)
+            return result
+        if not is_fake(first) or getattr(first, "fake_mode", None) is not mode:
+            return _NOT_FAST
+
+        def convert(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and not is_fake(v) and _convertible(mode, v):
+                return _convert(mode, v)
+            return v
+
+        args = tuple(convert(v) for v in op_args)
+        kwargs = {k: convert(v) for k, v in op_kwargs.items()}
+        if any(isinstance(v, torch.Tensor) and not is_fake(v) for v in (*args, *kwargs.values())):
+            return _NOT_FAST
+        return _Converted(args, kwargs)
+
     def _numbers_as_tensors(self, func: Any) -> bool:
         """Does FakeTensorMode run ``func`` on all-real arguments itself (numbers bound to
         tensors: ``torch.div(4, 4)``), making a small output a constant?"""
@@ -681,16 +814,22 @@ class Propagation:
         ):
             raise _CannotRebuild
         with self._r.no_dispatch():
-            if real.storage_offset() == 0:
+            storage = real.untyped_storage()
+            nbytes = storage.nbytes()
+            if real.storage_offset() == 0 and nbytes == real.numel() * real.element_size():
                 meta = torch.empty_strided(
                     real.shape, real.stride(), dtype=real.dtype, device="meta"
                 )
             else:
-                meta = torch.empty(_extent(real), dtype=real.dtype, device="meta").as_strided(
+                # the fake's storage as large as the real one (a kernel that resizes its output
+                # down keeps the whole buffer: as_strided within it is valid in eager)
+                size = max(nbytes // real.element_size(), _extent(real))
+                meta = torch.empty(size, dtype=real.dtype, device="meta").as_strided(
                     real.shape, real.stride(), real.storage_offset()
                 )
             fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
             fake.real_tensor = real
+            _targets.set_real_storage(meta.untyped_storage(), storage)
         return fake
 
     # -- the fallback kernel -------------------------------------------------------------------
@@ -962,6 +1101,40 @@ def _written_names(func: Any) -> frozenset[str]:
         )
         _WRITTEN[func] = names
     return names
+
+
+class _Converted:
+    """An op's arguments with its real tensors converted (upstream's path takes them)."""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+
+_METADATA_MUTATING: dict[Any, bool] = {}
+
+
+def _mutates_metadata(func: Any) -> bool:
+    """``inplace_view`` ops (``t_``, ``as_strided_``, ``squeeze_``) and ``resize_``."""
+    mutates = _METADATA_MUTATING.get(func)
+    if mutates is None:
+        schema = getattr(func, "_schema", None)
+        mutates = _METADATA_MUTATING[func] = torch.Tag.inplace_view in getattr(
+            func, "tags", ()
+        ) or (schema is not None and schema.name in ("aten::resize_", "aten::resize_as_"))
+    return mutates
+
+
+_SET_STORAGE = frozenset(
+    {
+        torch.ops.aten.set_.source_Storage,
+        torch.ops.aten.set_.source_Storage_storage_offset,
+        torch.ops.aten.set_.source_Tensor,
+        torch.ops.aten.set_.source_Tensor_storage_offset,
+    }
+)
 
 
 #: op -> does FakeTensorMode run it on all-real arguments itself (SHOULD_ALLOW_NUMBERS)

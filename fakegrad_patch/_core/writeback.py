@@ -312,6 +312,11 @@ class WriteBack:
             self._copy_back(frame)
         if ok and frame.lost:
             self._report_lost(frame, func)
+        if ok and frame.direct:
+            # real tensors the op wrote for real: their copies follow
+            for t in frame.direct.values():
+                if id(t) not in frame.lost:
+                    self._applied.values.refresh(t)
 
     def _fake_written(self, frame: Frame, ptr: int, via: str) -> None:
         """A fake over storage ``ptr`` is written: when that is a real tensor's private copy,
@@ -768,9 +773,13 @@ _VIEW_OPS: dict[Any, bool] = {}
 
 
 def _is_view_op(func: Any) -> bool:
+    """A view op, or ``set_`` (its output takes another tensor's storage)."""
     view = _VIEW_OPS.get(func)
     if view is None:
-        view = _VIEW_OPS[func] = bool(getattr(func, "is_view", False))
+        schema = getattr(func, "_schema", None)
+        view = _VIEW_OPS[func] = bool(getattr(func, "is_view", False)) or (
+            schema is not None and schema.name == "aten::set_"
+        )
     return view
 
 
