@@ -490,7 +490,7 @@ def test_a_write_through_a_tensor_set_to_a_real_storage_is_reported_or_written_b
             assert buf[0, 0] == 0 and lost
 
 
-# -- metadata-changing ops on real tensors inside the mode ------------------------------------------
+# -- metadata-changing ops on real tensors inside the mode -----------------------------------------
 
 METADATA_CHANGES: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     "resize_": lambda x, y: x.resize_(2, 3),

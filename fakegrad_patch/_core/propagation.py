@@ -382,6 +382,7 @@ class Propagation:
                 else ()
             )
             for t in tensors:
+                fake: Any
                 if is_fake(t):
                     if getattr(t, "fake_mode", None) is not mode:
                         continue
@@ -602,9 +603,11 @@ class Propagation:
         params = dict(zip(names[: len(op_args)], op_args, strict=True))
         params.update(op_kwargs)
         t, source = params["self"], params["source"]
+        converter = mode.fake_tensor_converter
         t_real = getattr(t, "real_tensor", None) if self._is_fake(t) else None
         if t_real is None or getattr(t, "fake_mode", None) is not mode:
             return _NOT_FAST
+        fake: Any
         if isinstance(source, torch.Tensor):
             fake = source if self._is_fake(source) else None
         elif source.device.type == "meta":
@@ -617,7 +620,10 @@ class Propagation:
                 meta.set_(source)
                 base = torch.empty(0, dtype=t.dtype, device=real_storage.device)
                 base.set_(real_storage)
-            fake = self._from_meta(mode.fake_tensor_converter, mode, meta, t.device)
+            made = self._from_meta
+            if made is None:
+                return _NOT_FAST
+            fake = made(converter, mode, meta, t.device)
             fake.real_tensor = base
         else:
             with self._r.no_dispatch():
