@@ -14,6 +14,7 @@ tests/test_can_fail.py runs this file that way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -701,3 +702,48 @@ def test_the_optimizer_hook_is_registered_only_from_the_first_propagating_mode_o
         "second_mode": 1,
         "uninstalled": 0,
     }
+
+
+def _scaled_steps(fake: bool) -> tuple[Any, list[float], list[str]]:
+    """A GradScaler first used inside the mode (its scale and growth tracker are born there),
+    two steps (the second overflows: the scale halves), then a real step after the mode."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+    x = torch.ones(2, 3)
+
+    def step(overflow: bool = False) -> None:
+        loss = model(x).sum() * (float("inf") if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    with trace.capture(trace.WARNING) as events:
+        with fake_mode() if fake else contextlib.nullcontext():
+            step()
+            step(overflow=True)
+        step()
+    return (
+        scaler,
+        model.weight.detach().flatten().tolist(),
+        [(e["event"], e.get("op")) for e in events],
+    )
+
+
+@pytest.mark.usefixtures("propagate")
+def test_a_grad_scaler_first_used_inside_the_mode_gets_real_state(write_back: None) -> None:
+    """Its scale was created by ``torch.full`` inside the mode: a FakeTensor the scaler kept for
+    every later step, inside the mode or not, without a word."""
+    scaler, weights, events = _scaled_steps(fake=True)
+    reference, expected, _ = _scaled_steps(fake=False)
+    assert type(scaler._scale) is torch.Tensor and type(scaler._growth_tracker) is torch.Tensor
+    assert scaler.get_scale() == reference.get_scale()
+    assert weights == expected and not events
+
+
+@pytest.mark.usefixtures("propagate", "quiet")
+def test_a_grad_scaler_first_used_inside_the_mode_is_reported_without_write_back() -> None:
+    _, _, events = _scaled_steps(fake=True)
+    assert ("update_lost", "GradScaler._scale") in events

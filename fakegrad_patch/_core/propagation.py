@@ -132,6 +132,9 @@ class Propagation:
                             lost="`real.data = fake` inside the mode makes the tensor a meta one",
                         )
                     )
+                scaler = self._wb.scaler_site()
+                if scaler is not None:
+                    sites.append(scaler)
                 module = self._r.fake_tensor_module
                 fallback = module.__dict__.get("run_fallback_kernel")
                 if fallback_ok and self._can_read_frames and callable(fallback):
