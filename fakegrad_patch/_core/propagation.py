@@ -287,12 +287,18 @@ class Propagation:
             _needs_value_keys(op[0]) or (op[1] and _needs_value_keys(op[1].values()))
         ):
             return self._upstream(wrapped, args, kwargs, mode, func, op)
-        # complex values, or bits: upstream's real run reads plain values, and runs (as its
-        # fake side's nested ops do) with the Conjugate, Negative and ZeroTensor keys on
+        # complex values, or bits: upstream's real run reads plain values; an op that makes
+        # new tensors runs (as its fake side's nested ops do) with the Conjugate, Negative and
+        # ZeroTensor keys on (a composite kernel's own conj views: linalg.pinv). Not views or
+        # writes: their fake side under those keys' fallbacks fails MathBitsFallback's
+        # same-output assert (an empty conj view in linalg.inv's backward)
         plain = self._plain_values(mode, func, op)
         ok = False
         try:
-            with self._r.value_keys():
+            if _fresh_outputs(func):
+                with self._r.value_keys():
+                    result = self._upstream(wrapped, args, kwargs, mode, func, op)
+            else:
                 result = self._upstream(wrapped, args, kwargs, mode, func, op)
             ok = True
             return result
@@ -818,7 +824,7 @@ class Propagation:
             self._from_meta is None
             or type(real) is not torch.Tensor
             or real.layout != torch.strided
-            or _lazy_bits(real)
+            or _is_zero(real)
             or self._is_fake(real)
         ):
             raise _CannotRebuild
@@ -837,6 +843,9 @@ class Propagation:
                     real.shape, real.stride(), real.storage_offset()
                 )
             fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
+            if real.is_conj() or real.is_neg():  # eager's output is a conj/neg view: so is the fake
+                _set_conj(fake, real.is_conj())
+                _set_neg(fake, real.is_neg())
             fake.real_tensor = real
             _targets.set_real_storage(meta.untyped_storage(), storage)
         return fake

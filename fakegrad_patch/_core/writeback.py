@@ -635,7 +635,6 @@ class WriteBack:
         except Exception as exc:  # never break the host's training step
             self._applied.internal_error("write_back", exc)
 
-
     # -- GradScaler state created inside the mode ----------------------------------------------
 
     def scaler_site(self) -> _sites.Site | None:
