@@ -46,7 +46,9 @@ import torch
 
 from .. import trace
 from . import sites as _sites
+from . import state as _state
 from . import targets as _targets
+from .dataattr import make_data_property
 from .writeback import Frame, WriteBack, _op_arguments, _private_copy, _storage, _written_tensors
 
 
@@ -72,6 +74,7 @@ class Propagation:
         # resolved once: every optional touch point may be absent on a build
         self._from_meta = _targets._resolve_optional(_targets.FROM_META_AND_DEVICE)
         self._in_kernel = _targets._resolve_optional(_targets.IN_KERNEL_INVOCATION)
+        self._allow_numbers = _targets._resolve_optional(_targets.SHOULD_ALLOW_NUMBERS)
         self._can_read_frames = (
             _targets._resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT) is not None
         )
@@ -118,6 +121,17 @@ class Propagation:
                         lost="in-place updates of real tensors inside the mode are not watched",
                     )
                 ]
+                if "data" not in torch.Tensor.__dict__:
+                    sites.append(
+                        _sites.Site(
+                            torch.Tensor,
+                            "data",
+                            make_data_property(self._is_fake),
+                            _sites.ABSENT,
+                            registry=_sites.user_modes,
+                            lost="`real.data = fake` inside the mode makes the tensor a meta one",
+                        )
+                    )
                 module = self._r.fake_tensor_module
                 fallback = module.__dict__.get("run_fallback_kernel")
                 if fallback_ok and self._can_read_frames and callable(fallback):
@@ -217,9 +231,20 @@ class Propagation:
                 self._guarded(wb.nested_write, frame, func, written, op_args, op_kwargs)
                 if self.repair or wb.enabled:  # write-back needs it whatever the setting
                     self._guarded(self._shadow, frame, func, written, op_args, op_kwargs)
+            if self.repair and _random(func) and self._outer_ran_for_real(frame):
+                # the outer op drew its random numbers when it ran for real; its decomposition
+                # (uniform_ -> prims.uniform) must not draw them again
+                with _generators_kept(func, op_args, op_kwargs):
+                    return self._call(wrapped, args, kwargs, mode, func, (op_args, op_kwargs))
             return self._call(wrapped, args, kwargs, mode, func, (op_args, op_kwargs))
         finally:
             frame.depth -= 1
+
+    def _outer_ran_for_real(self, frame: Frame) -> bool:
+        """Did the outermost op of ``frame`` run for real (every fake argument with values)?"""
+        if not frame.scanned:
+            self._wb.scan(frame)
+        return frame.real_ok
 
     def _guarded(self, method: Any, *args: Any) -> None:
         try:
@@ -232,6 +257,17 @@ class Propagation:
         kernel that refuses, disagrees, is missing or raises; propagation's own cross-check),
         the real kernel's outputs. Upstream's schema checks of custom ops (mutation, aliasing)
         stand, but for its false report on ``None`` optional arguments."""
+        if self.repair and func in _SET_STORAGE:
+            result = self._set_storage(mode, func, op)
+            if result is not _NOT_FAST:
+                return result
+        if self.repair and _mutates_metadata(func) and mode.allow_non_fake_inputs:
+            result = self._mutate_metadata(mode, func, op)
+            if isinstance(result, _Converted):  # upstream's, on the converted arguments
+                op = (result.args, result.kwargs)
+                args, kwargs = (args[0], args[1], result.args, result.kwargs), {}
+            elif result is not _NOT_FAST:
+                return result
         if self.fast:
             kind = _KIND.get(func)
             if kind is None:
@@ -244,6 +280,25 @@ class Propagation:
                 )
                 if result is not _NOT_FAST:
                     return result
+        if not self.repair or not (
+            _needs_value_keys(op[0]) or (op[1] and _needs_value_keys(op[1].values()))
+        ):
+            return self._upstream(wrapped, args, kwargs, mode, func, op)
+        # complex values, or bits: upstream's real run reads plain values, and runs (as its
+        # fake side's nested ops do) with the Conjugate, Negative and ZeroTensor keys on
+        plain = self._plain_values(mode, func, op)
+        ok = False
+        try:
+            with self._r.value_keys():
+                result = self._upstream(wrapped, args, kwargs, mode, func, op)
+            ok = True
+            return result
+        finally:
+            if plain is not None:
+                self._restore_values(plain, ok)
+
+    def _upstream(self, wrapped: Any, args: Any, kwargs: Any, mode: Any, func: Any, op: Any) -> Any:
+        """Upstream's dispatch, and the recovery of its fake side's failures (:meth:`_call`)."""
         try:
             result = wrapped(*args, **kwargs)
         except Exception as exc:
@@ -261,9 +316,108 @@ class Propagation:
                 self._applied._mismatch.report(exc)  # a metadata mismatch, said plainly
                 raise
             return result
-        if self.repair and _fresh_outputs(func):
-            return self._agreeing(mode, func, result)
+        if self.repair:
+            if _fresh_outputs(func):
+                return self._agreeing(mode, func, result)
+            written = _written_names(func)
+            if written:
+                self._guarded(self._restride, mode, func, op, written)
         return result
+
+    def _restride(self, mode: Any, func: Any, op: Any, written: frozenset[str]) -> None:
+        """After an ``out=`` or in-place op: a written fake whose real values were laid out
+        otherwise by the real kernel (an empty ``out`` resized like a non-contiguous input;
+        the meta kernel resizes it contiguous) gets their strides and offset, as eager has."""
+        if self._in_kernel is None:
+            return
+        op_args, op_kwargs = op
+        for index, argument in enumerate(func._schema.arguments):
+            if argument.name not in written:
+                continue
+            value = op_args[index] if index < len(op_args) else op_kwargs.get(argument.name)
+            for t in _flat_tensors((value,)):
+                real = getattr(t, "real_tensor", None) if self._is_fake(t) else None
+                if (
+                    real is None
+                    or t.layout != torch.strided
+                    or real.layout != torch.strided
+                    or t.shape != real.shape
+                    or (t.stride() == real.stride() and t.storage_offset() == real.storage_offset())
+                    or _extent(real) * real.element_size() > t.untyped_storage().nbytes()
+                ):
+                    continue
+                with self._in_kernel(mode):
+                    torch.ops.aten.as_strided_.default(
+                        t, real.shape, real.stride(), real.storage_offset()
+                    )
+                self._report(
+                    "restrided",
+                    "propagation_rebuilt",
+                    func,
+                    reason="strides",
+                    cause="a written fake's strides differ from its real values'",
+                    outputs="fake",
+                )
+
+    def _plain_values(self, mode: Any, func: Any, op: Any) -> list[Any] | None:
+        """Before upstream's real run of an op that is not a view: the arguments whose values
+        carry a conjugate or negative bit or are a ZeroTensor get plain values for the op (the
+        real kernel, called inside the mode, would read the raw storage; eager's Conjugate,
+        Negative and ZeroTensor fallbacks materialize them first). None when there are none
+        (the common case). Written arguments get the op's update copied back afterwards."""
+        if _aliasing(func):
+            return None
+        written_names = _written_names(func)
+        op_args, op_kwargs = op
+        is_fake = self._is_fake
+        swaps: list[Any] = []
+        schema_args = func._schema.arguments
+        for index, argument in enumerate(schema_args):
+            value = op_args[index] if index < len(op_args) else op_kwargs.get(argument.name)
+            tensors = (
+                [value]
+                if isinstance(value, torch.Tensor)
+                else [v for v in value if isinstance(v, torch.Tensor)]
+                if isinstance(value, list | tuple)
+                else ()
+            )
+            for t in tensors:
+                if is_fake(t):
+                    if getattr(t, "fake_mode", None) is not mode:
+                        continue
+                    fake = t
+                elif _convertible(mode, t) and (_lazy_bits(t)):
+                    # converted now: upstream's conversion returns the same fake (memo)
+                    fake = mode.fake_tensor_converter.from_real_tensor(mode, t)
+                else:
+                    continue
+                real = getattr(fake, "real_tensor", None)
+                if real is None or fake.layout != torch.strided:
+                    continue
+                if not (_lazy_bits(fake) or _lazy_bits(real)):
+                    continue
+                written = argument.name in written_names
+                if written and (_is_zero(fake) or _is_zero(real)):
+                    continue  # immutable: upstream's (and eager's) error
+                if any(item[0] is fake for item in swaps):
+                    continue
+                with self._r.no_dispatch():
+                    shadow = _plain(fake, real)
+                    fake.real_tensor = shadow
+                swaps.append((fake, real, shadow, written))
+        return swaps or None
+
+    def _restore_values(self, swaps: list[Any], ok: bool) -> None:
+        """After the op: written arguments get the op's update on their raw storage, read with
+        their bits (``copy_`` applies them); every fake gets its own values back."""
+        with self._r.no_dispatch():
+            for fake, real, shadow, written in reversed(swaps):
+                if written and ok:
+                    view = torch.ops.aten.alias.default(real)
+                    _set_conj(view, fake.is_conj())
+                    _set_neg(view, fake.is_neg())
+                    view.copy_(shadow)
+                fake.real_tensor = real
 
     def _agreeing(self, mode: Any, func: Any, result: Any) -> Any:
         """Upstream's outputs of an op that makes new tensors, each fake agreeing with its own
@@ -271,6 +425,17 @@ class Propagation:
         propagation does not check it (2.4: no cross-check; a custom op's wrong fake kernel),
         the fake is made again from its values (``propagation_rebuilt``)."""
         outs = result if isinstance(result, tuple | list) else (result,)
+        for t in outs:
+            # the real storage each new fake's storage stands for (meta_utils' convention, as
+            # the converter's and the fast path's fakes have it): set_() with it finds it
+            real = getattr(t, "real_tensor", None) if isinstance(t, torch.Tensor) else None
+            if (
+                real is not None
+                and real.layout == torch.strided
+                and t.layout == torch.strided
+                and not _is_zero(real)
+            ):
+                _targets.set_real_storage(t.untyped_storage(), real.untyped_storage())
         if not any(_disagrees(t) for t in outs):
             return result  # the common case
         try:
@@ -284,7 +449,7 @@ class Propagation:
             "propagation_rebuilt",
             func,
             reason="unchecked mismatch",
-            cause="a fake output's sizes, dtype or device differ from its real values",
+            cause="a fake output's sizes, dtype, device or strides differ from its real values",
             outputs="real",
         )
         return rebuilt
@@ -347,10 +512,12 @@ class Propagation:
         fakes made from its outputs; upstream's fake implementation, the second real run of its
         decomposition and the cross-check are skipped (issue 41). ``_NOT_FAST`` otherwise (then
         nothing ran)."""
+        if self._numbers_as_tensors(func) and not _has_fake(op, self._is_fake):
+            return _NOT_FAST  # upstream runs it on the real arguments: a constant if small
         reals = self._real_arguments(mode, op)
         if reals is _NOT_FAST:
             return _NOT_FAST
-        real_out = func(*reals[0], **reals[1])
+        real_out = self._run(func, reals)
         try:
             result = self._from_real(mode, real_out)
         except _CannotRebuild:
@@ -386,20 +553,31 @@ class Propagation:
         if not is_fake(base):
             if not _convertible(mode, base):
                 return _NOT_FAST
-            base = mode.fake_tensor_converter.from_real_tensor(mode, base)
-        elif getattr(base, "fake_mode", None) is not mode or base.layout != torch.strided:
+            base = _convert(mode, base)
+        elif (
+            getattr(base, "fake_mode", None) is not mode
+            or base.layout != torch.strided
+            or getattr(base, "constant", None) is not None
+        ):
             return _NOT_FAST
         base_real = getattr(base, "real_tensor", None)
-        if base_real is None or _lazy_bits(base_real) or not _same_metadata(base, base_real):
+        if (
+            base_real is None
+            or _is_zero(base_real)
+            or _is_zero(base)
+            or not _same_metadata(base, base_real)
+        ):
             return _NOT_FAST  # the fake's layout is not the real one's: upstream's view
         reals = self._real_arguments(mode, op, (base_index, base_real))
         if reals is _NOT_FAST:
             return _NOT_FAST
-        real_out = func(*reals[0], **reals[1])
+        real_out = self._run(func, reals)
         ptr = _storage(base_real)
         try:
             with self._in_kernel(mode):
-                result = _map_tensors(lambda r: self._view_of(mode, base, ptr, r), real_out)
+                result = _map_tensors(
+                    lambda r: self._view_of(mode, base, base_real, ptr, r), real_out
+                )
         except _CannotRebuild:
             # not a view of the base (a copy), a view that changes the dtype or sets the
             # conjugate or negative bit, or out of the fake storage's bounds: upstream's view,
@@ -410,14 +588,132 @@ class Propagation:
             trace.emit("propagation_fast", trace.DEBUG, op=str(func))
         return result
 
-    def _view_of(self, mode: Any, base: Any, ptr: int | None, real: Any) -> Any:
+    def _set_storage(self, mode: Any, func: Any, op: Any) -> Any:
+        """``fake.set_(storage, offset, size, stride)`` (and ``set_(source)``): upstream's real
+        run gets a meta storage (a fake's), or its fake side a real one, and either refuses.
+        The real tensor is set to the real storage and the fake to the meta one, each with the
+        same offset, sizes and strides; a real storage (``fake.set_(t.untyped_storage())``) is
+        converted first as an op input is (a copy of its values, or itself under write-back).
+        ``_NOT_FAST`` where the storage's values are not known (upstream's path then)."""
+        if self._in_kernel is None:
+            return _NOT_FAST
+        op_args, op_kwargs = op
+        names = ("self", "source", "storage_offset", "size", "stride")
+        params = dict(zip(names[: len(op_args)], op_args, strict=True))
+        params.update(op_kwargs)
+        t, source = params["self"], params["source"]
+        t_real = getattr(t, "real_tensor", None) if self._is_fake(t) else None
+        if t_real is None or getattr(t, "fake_mode", None) is not mode:
+            return _NOT_FAST
+        if isinstance(source, torch.Tensor):
+            fake = source if self._is_fake(source) else None
+        elif source.device.type == "meta":
+            # a fake's storage: the real storage it stands for (meta_utils' convention)
+            real_storage = _targets.real_storage_of(source)
+            if real_storage is None:
+                return _NOT_FAST
+            with self._r.no_dispatch():
+                meta = torch.empty(0, dtype=t.dtype, device="meta")
+                meta.set_(source)
+                base = torch.empty(0, dtype=t.dtype, device=real_storage.device)
+                base.set_(real_storage)
+            fake = self._from_meta(mode.fake_tensor_converter, mode, meta, t.device)
+            fake.real_tensor = base
+        else:
+            with self._r.no_dispatch():
+                base = torch.empty(0, dtype=t.dtype, device=source.device)
+                base.set_(source)
+            fake = _convert(mode, base)
+            # the real tensor over the storage lives as long as the fake set to it: updates
+            # that reach only the copy are reported against it (the write-back watch holds
+            # real tensors weakly)
+            t._fakegrad_storage_owner = base
+        real = getattr(fake, "real_tensor", None)
+        if fake is None or real is None or getattr(fake, "fake_mode", None) is not mode:
+            return _NOT_FAST
+        if "size" in params:
+            where = (params["storage_offset"], params["size"], params.get("stride") or [])
+        else:  # set_(storage) / set_(tensor): the whole storage, or the tensor's view of it
+            where = (
+                (0, [real.untyped_storage().nbytes() // real.element_size()], [1])
+                if not isinstance(source, torch.Tensor)
+                else (real.storage_offset(), list(real.shape), list(real.stride()))
+            )
+        with self._r.no_dispatch():
+            t_real.set_(real.untyped_storage(), *where)
+        with self._in_kernel(mode):
+            torch.ops.aten.set_.source_Storage_storage_offset(t, fake.untyped_storage(), *where)
+        self._report(
+            "set_storage", "propagation_rebuilt", func, reason="set_", cause="", outputs="fake"
+        )
+        return t
+
+    def _mutate_metadata(self, mode: Any, func: Any, op: Any) -> Any:
+        """An op that changes its first argument's sizes or strides (``resize_``, ``t_``,
+        ``as_strided_``) with real tensors among its arguments: FakeTensorMode refuses every
+        one ('Can't call metadata mutating ops on non-Fake Tensor inputs'). Eager changes the
+        real tensor: every argument real, the op runs on them (every live converter forgets
+        its fake of the changed tensor); the first argument a fake, the others are converted
+        as op inputs are, for upstream's path (:class:`_Converted`). ``_NOT_FAST`` otherwise."""
+        op_args, op_kwargs = op
+        tensors = _flat_tensors((*op_args, *op_kwargs.values()))
+        is_fake = self._is_fake
+        if not tensors or not any(not is_fake(t) for t in tensors):
+            return _NOT_FAST  # all fake: upstream's
+        first = op_args[0] if op_args else None
+        if not isinstance(first, torch.Tensor):
+            return _NOT_FAST
+        if not any(is_fake(t) for t in tensors):
+            if not all(_convertible(mode, t) for t in tensors):
+                return _NOT_FAST
+            result = func(*op_args, **op_kwargs)
+            for ref in list(_sites.modes.values()):
+                live = ref()
+                converter = getattr(live, "fake_tensor_converter", None)
+                if converter is not None:
+                    _targets.forget_conversion(converter, first)
+            return result
+        if not is_fake(first) or getattr(first, "fake_mode", None) is not mode:
+            return _NOT_FAST
+
+        def convert(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and not is_fake(v) and _convertible(mode, v):
+                return _convert(mode, v)
+            return v
+
+        args = tuple(convert(v) for v in op_args)
+        kwargs = {k: convert(v) for k, v in op_kwargs.items()}
+        if any(isinstance(v, torch.Tensor) and not is_fake(v) for v in (*args, *kwargs.values())):
+            return _NOT_FAST
+        return _Converted(args, kwargs)
+
+    def _numbers_as_tensors(self, func: Any) -> bool:
+        """Does FakeTensorMode run ``func`` on all-real arguments itself (numbers bound to
+        tensors: ``torch.div(4, 4)``), making a small output a constant?"""
+        allowed = _NUMBERS.get(func)
+        if allowed is None:
+            check = self._allow_numbers
+            allowed = _NUMBERS[func] = bool(check is not None and check(func))
+        return allowed
+
+    def _run(self, func: Any, reals: Any) -> Any:
+        """The real kernel on the real arguments, as eager runs it where values may carry a
+        conjugate or negative bit or be a ZeroTensor (their keys' fallbacks on)."""
+        args, kwargs = reals
+        if _needs_value_keys(args) or (kwargs and _needs_value_keys(kwargs.values())):
+            with self._r.value_keys():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _view_of(self, mode: Any, base: Any, base_real: Any, ptr: int | None, real: Any) -> Any:
         """Inside the mode's kernel invocation: the fake view of ``base`` with ``real``'s
-        metadata, holding ``real``."""
+        metadata, holding ``real``; its conjugate and negative bits are the base's, toggled
+        where the view op toggled the real ones (``conj()``, ``_neg_view``)."""
         if (
             type(real) is not torch.Tensor
             or real.layout != torch.strided
             or real.dtype != base.dtype  # view_as_real/complex, .real/.imag, view(dtype)
-            or _lazy_bits(real)  # conj()'s and neg views' bits (see _lazy_bits)
+            or _is_zero(real)
             or _storage(real) != ptr
         ):
             raise _CannotRebuild
@@ -428,6 +724,12 @@ class Propagation:
         except RuntimeError:
             raise _CannotRebuild from None
         fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
+        conj = base.is_conj() != (real.is_conj() != base_real.is_conj())
+        neg = base.is_neg() != (real.is_neg() != base_real.is_neg())
+        if conj != fake.is_conj():
+            _set_conj(fake, conj)
+        if neg != fake.is_neg():
+            _set_neg(fake, neg)
         fake.real_tensor = real
         return fake
 
@@ -460,15 +762,23 @@ class Propagation:
         upstream must see (another mode's fake, no values, a subclass, not strided)."""
         if isinstance(value, torch.Tensor):
             if is_fake(value):
-                if getattr(value, "fake_mode", None) is not mode or value.layout != torch.strided:
+                if (
+                    getattr(value, "fake_mode", None) is not mode
+                    or value.layout != torch.strided
+                    or getattr(value, "constant", None) is not None
+                ):
+                    return _NOT_FAST  # constants: upstream folds them and tracks their writes
+                fake = value
+            else:
+                if not _convertible(mode, value):
                     return _NOT_FAST
-                real = getattr(value, "real_tensor", None)
-                return _NOT_FAST if real is None or _lazy_bits(real) else real
-            if not _convertible(mode, value):
-                return _NOT_FAST
-            fake = mode.fake_tensor_converter.from_real_tensor(mode, value)
+                fake = _convert(mode, value)
             real = getattr(fake, "real_tensor", None)
-            return _NOT_FAST if real is None or _lazy_bits(real) else real
+            if real is None:
+                return _NOT_FAST
+            if fake.is_conj() != real.is_conj() or fake.is_neg() != real.is_neg():
+                return _aligned(fake, real)
+            return real
         if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor | None):
             out = []
             for item in value:
@@ -504,16 +814,22 @@ class Propagation:
         ):
             raise _CannotRebuild
         with self._r.no_dispatch():
-            if real.storage_offset() == 0:
+            storage = real.untyped_storage()
+            nbytes = storage.nbytes()
+            if real.storage_offset() == 0 and nbytes == real.numel() * real.element_size():
                 meta = torch.empty_strided(
                     real.shape, real.stride(), dtype=real.dtype, device="meta"
                 )
             else:
-                meta = torch.empty(_extent(real), dtype=real.dtype, device="meta").as_strided(
+                # the fake's storage as large as the real one (a kernel that resizes its output
+                # down keeps the whole buffer: as_strided within it is valid in eager)
+                size = max(nbytes // real.element_size(), _extent(real))
+                meta = torch.empty(size, dtype=real.dtype, device="meta").as_strided(
                     real.shape, real.stride(), real.storage_offset()
                 )
             fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
             fake.real_tensor = real
+            _targets.set_real_storage(meta.untyped_storage(), storage)
         return fake
 
     # -- the fallback kernel -------------------------------------------------------------------
@@ -615,6 +931,7 @@ class Propagation:
             trace.emit(event, trace.INFO, op=str(func), **fields)
 
 
+_set_conj, _set_neg, _is_zero = _targets.value_bit_tools()
 _NOT_FAST = object()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: what the fast path does with an op: make new tensors, a view, or upstream's path
@@ -640,10 +957,63 @@ HIDDEN_WRITES = frozenset(
 )
 
 
+#: aten ops whose outputs upstream's fakes represent with a dispatch key of their own: a fake
+#: made from the real output's metadata would lose it (``_efficientzerotensor``: autograd's
+#: zero gradients; without the ZeroTensor key on the fake, the next op reaches the mode and its
+#: real kernel reads the real ZeroTensor's null data pointer)
+UPSTREAM_FAKES = frozenset({"_efficientzerotensor"})
+
+
 def _lazy_bits(t: Any) -> bool:
-    """A conjugate or negative view bit: real kernels called inside a dispatch mode ignore them
-    (the Conjugate and Negative keys are below it), so such values go upstream's way."""
-    return bool(t.is_conj() or t.is_neg())
+    """A conjugate or negative view bit, or a ZeroTensor (no storage): real kernels called
+    inside a dispatch mode ignore the bits and read a ZeroTensor's null data pointer (the
+    Conjugate, Negative and ZeroTensor keys are above the Python key, so excluded there), so
+    such values go upstream's way, whose fakes carry the same keys."""
+    return bool(t.is_conj() or t.is_neg() or _is_zero(t))
+
+
+def _aligned(fake: Any, real: Any) -> Any:
+    """``real``'s raw storage read with ``fake``'s conjugate and negative bits (an alias)."""
+    view = torch.ops.aten.alias.default(real)
+    _set_conj(view, fake.is_conj())
+    _set_neg(view, fake.is_neg())
+    return view
+
+
+def _needs_value_keys(values: Any) -> bool:
+    """Might a real kernel on these values meet a conjugate or negative bit or a ZeroTensor
+    (a complex value: composite kernels make conjugate views of their own)?"""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.is_complex() or value.is_neg() or _is_zero(value):
+                return True
+        elif isinstance(value, list | tuple) and _needs_value_keys(value):
+            return True
+    return False
+
+
+def _plain(fake: Any, real: Any) -> Any:
+    """The values ``fake`` stands for, as a plain tensor a real kernel reads right inside the
+    mode. Propagated values are the raw storage and the fake's own bits say how to read it
+    (the converter gives a conjugate view's fake its bit and a copy of the raw storage without
+    it; view ops set the bit on both), so the raw storage is read with the fake's bits and
+    materialized by ``clone`` (``copy_`` applies the bits itself); a ZeroTensor is zeros."""
+    if _is_zero(fake) or _is_zero(real):
+        return torch.zeros(real.shape, dtype=real.dtype, device=real.device)
+    return torch.ops.aten.clone.default(_aligned(fake, real))
+
+
+def _convert(mode: Any, t: Any) -> Any:
+    """``t``'s fake, converted as upstream converts an op input (the patch's conversion path:
+    arming, values, write-back), known not to have run for real (the fast path runs it once,
+    after)."""
+    converting = _state.converting
+    before = getattr(converting, "fast", False)
+    converting.fast = True
+    try:
+        return mode.fake_tensor_converter.from_real_tensor(mode, t)
+    finally:
+        converting.fast = before
 
 
 def _convertible(mode: Any, t: Any) -> bool:
@@ -679,7 +1049,8 @@ def _kind(func: Any, mode: Any) -> str:
         return _OTHER
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return _OTHER
-    if schema.name.partition("::")[2] in HIDDEN_WRITES:
+    name = schema.name.partition("::")[2]
+    if name in HIDDEN_WRITES or name in UPSTREAM_FAKES:
         return _OTHER
     if any(str(r.type) not in _TENSORS for r in schema.returns):
         return _OTHER
@@ -689,6 +1060,142 @@ def _kind(func: Any, mode: Any) -> str:
     if all(aliased) and _view_base(func) >= 0:
         return _VIEW_OP
     return _OTHER
+
+
+#: op -> does it alias its arguments' storage without writing their values (a view, an
+#: ``inplace_view`` op, ``set_``)? Their outputs must alias the raw storage itself.
+_ALIASING: dict[Any, bool] = {}
+
+
+def _aliasing(func: Any) -> bool:
+    aliasing = _ALIASING.get(func)
+    if aliasing is None:
+        schema = getattr(func, "_schema", None)
+        aliasing = (
+            schema is None
+            or torch.Tag.inplace_view in getattr(func, "tags", ())
+            or schema.name.partition("::")[2].startswith("set_")
+            or (any(r.alias_info is not None for r in schema.returns) and not _written_names(func))
+        )
+        _ALIASING[func] = aliasing
+    return aliasing
+
+
+_WRITTEN: dict[Any, frozenset[str]] = {}
+
+
+def _written_names(func: Any) -> frozenset[str]:
+    """The names of the arguments ``func``'s schema writes (not ``inplace_view`` ops: they
+    write metadata, which upstream's fake side already follows)."""
+    names = _WRITTEN.get(func)
+    if names is None:
+        schema = getattr(func, "_schema", None)
+        names = (
+            frozenset()
+            if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ())
+            else frozenset(
+                a.name
+                for a in schema.arguments
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+        )
+        _WRITTEN[func] = names
+    return names
+
+
+class _Converted:
+    """An op's arguments with its real tensors converted (upstream's path takes them)."""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+
+_METADATA_MUTATING: dict[Any, bool] = {}
+
+
+def _mutates_metadata(func: Any) -> bool:
+    """``inplace_view`` ops (``t_``, ``as_strided_``, ``squeeze_``) and ``resize_``."""
+    mutates = _METADATA_MUTATING.get(func)
+    if mutates is None:
+        schema = getattr(func, "_schema", None)
+        mutates = _METADATA_MUTATING[func] = torch.Tag.inplace_view in getattr(
+            func, "tags", ()
+        ) or (schema is not None and schema.name in ("aten::resize_", "aten::resize_as_"))
+    return mutates
+
+
+_SET_STORAGE = frozenset(
+    {
+        torch.ops.aten.set_.source_Storage,
+        torch.ops.aten.set_.source_Storage_storage_offset,
+        torch.ops.aten.set_.source_Tensor,
+        torch.ops.aten.set_.source_Tensor_storage_offset,
+    }
+)
+
+
+#: op -> does FakeTensorMode run it on all-real arguments itself (SHOULD_ALLOW_NUMBERS)
+_NUMBERS: dict[Any, bool] = {}
+
+
+def _has_fake(op: Any, is_fake: Any) -> bool:
+    return any(is_fake(t) for t in _flat_tensors((*op[0], *op[1].values())))
+
+
+_RANDOM: dict[Any, bool] = {}
+
+
+def _random(func: Any) -> bool:
+    """Does ``func`` draw from a generator (``nondeterministic_seeded``)?"""
+    random = _RANDOM.get(func)
+    if random is None:
+        random = _RANDOM[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    return random
+
+
+class _generators_kept:
+    """The generators an op draws from have the same state after it as before: its explicit
+    ``generator`` argument, else the default generators of the devices it names or works on
+    (CPU and CUDA; another device's default generator is not reachable by a public API and is
+    left to draw)."""
+
+    def __init__(self, func: Any, op_args: Any, op_kwargs: Any) -> None:
+        self.kept: list[tuple[Any, Any]] = []
+        generators = [v for v in (*op_args, *op_kwargs.values()) if isinstance(v, torch.Generator)]
+        if not generators:
+            devices = {t.device for t in _flat_tensors((*op_args, *op_kwargs.values()))}
+            device = op_kwargs.get("device")
+            if device is not None:
+                devices.add(torch.device(device))
+            if not devices:
+                devices.add(torch.device("cpu"))
+            for d in devices:
+                if d.type == "cpu":
+                    generators.append(torch.random.default_generator)
+                elif d.type == "cuda" and torch.cuda.is_initialized():
+                    index = d.index if d.index is not None else torch.cuda.current_device()
+                    generators.append(torch.cuda.default_generators[index])
+        self.kept = [(g, g.get_state()) for g in generators]
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        for generator, state in self.kept:
+            generator.set_state(state)
+
+
+def _flat_tensors(values: Any) -> list[Any]:
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, list | tuple):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
 
 
 def _map_tensors(fn: Any, value: Any) -> Any:
@@ -756,10 +1263,19 @@ def _false_mutation(exc: BaseException, func: Any, op: Any) -> bool:
 
 
 def _disagrees(t: Any) -> bool:
-    """A fake whose own real values have other sizes, dtype or device."""
+    """A fake whose own real values have other sizes, dtype, device or strides (the real
+    kernel's strides are eager's: a meta kernel's may differ, ``rrelu`` and training
+    ``batch_norm`` on a non-contiguous input)."""
     real = getattr(t, "real_tensor", None) if isinstance(t, torch.Tensor) else None
     return real is not None and (
-        t.shape != real.shape or t.dtype != real.dtype or t.device != real.device
+        t.shape != real.shape
+        or t.dtype != real.dtype
+        or t.device != real.device
+        or (
+            t.layout == torch.strided
+            and real.layout == torch.strided
+            and (t.stride() != real.stride() or t.storage_offset() != real.storage_offset())
+        )
     )
 
 
