@@ -12,8 +12,8 @@ patched propagating pass. Asserted:
   an op with fewer exact samples than recorded fails, by name.
 
 The CI plan runs the library's default propagation (``"fast"``), set explicitly in the sweep's
-interpreters: tests/conftest.py's ``"repair"`` default applies to this process only, never to
-them.
+interpreters: the suite's settings (tests/conftest.py, ``FAKEGRAD_TEST_PROPAGATION``) apply to
+this process only, and a ``FAKEGRAD_PROPAGATION`` in the environment must not choose for them.
 
 Opt-in, not in the CI's envs (``FAKEGRAD_SWEEP_FULL=1``, ``tox -e sweep-full``): every sample in
 float64 and complex64, under ``"fast"`` and ``"repair"``, no silent sample (complex samples also
@@ -132,8 +132,8 @@ def test_known_good_counts_hold(sweep: dict) -> None:
 
 def test_the_ci_sweep_runs_the_default_propagation(sweep: dict) -> None:
     """The sweep's interpreters run the library's default (``"fast"``), whatever this process's
-    settings (conftest's ``"repair"``) or a ``FAKEGRAD_PROPAGATION`` in the environment (the
-    fixture sets one) say."""
+    settings (tests/conftest.py's) or a ``FAKEGRAD_PROPAGATION`` in the environment (the fixture
+    sets one) say."""
     ran = {r.get("propagation") for r in sweep["rows"]}
     assert ran == {opinfo_sweep.DEFAULT_PROPAGATION}, ran
 
