@@ -18,8 +18,8 @@ this process only, and a ``FAKEGRAD_PROPAGATION`` in the environment must not ch
 Opt-in, not in the CI's envs (``FAKEGRAD_SWEEP_FULL=1``, ``tox -e sweep-full``): every sample in
 float64 and complex64, under ``"fast"`` and ``"repair"``, no silent sample (complex samples also
 compare the outputs' conj/neg bits and propagated values). On this project's 2-core machine it
-costs 4-5 times the CI plan's CPU time per propagation (about 115 CPU-seconds under ``"fast"``,
-300 under ``"repair"``, on 2.13.0), more than the CI can add per build.
+costs 4-5 times the CI plan's CPU time per propagation (100-130 CPU-seconds under ``"fast"``,
+280-300 under ``"repair"``, on 2.13.0 and 2.14.1), more than the CI can add per build.
 
 The categories are written to a JSON beside the run (``FAKEGRAD_SWEEP_DIR``, set by tox.ini to
 the env's work directory; a temporary directory otherwise); docs/how-it-works.md summarises them.
