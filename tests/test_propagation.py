@@ -192,6 +192,9 @@ def test_stft_gradient_is_eager() -> None:
 
 
 def test_the_repair_is_traced() -> None:
+    """``propagation="repair"`` (upstream's path; the fast path runs an in-place op's real
+    kernel once itself and no nested op writes)."""
+    fakegrad_patch.configure(propagation="repair")
     with trace.capture(trace.INFO) as events, fake_mode():
         z = torch.zeros(5) * 1
         z.index_add_(0, _IDX, torch.ones(4))

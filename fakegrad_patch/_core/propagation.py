@@ -276,13 +276,19 @@ class Propagation:
             if kind is None:
                 kind = _KIND[func] = _kind(func, mode)
             if kind is not _OTHER:
-                result = (
-                    self._fast(mode, func, op)
-                    if kind is _NEW
-                    else self._view(wrapped, args, kwargs, mode, func, op)
-                )
+                if kind is _NEW:
+                    result = self._fast(mode, func, op)
+                elif kind is _VIEW_OP:
+                    result = self._view(wrapped, args, kwargs, mode, func, op)
+                else:
+                    result = self._in_place(mode, func, op)
                 if result is not _NOT_FAST:
                     return result
+        elif self.repair and func in _BIT_VIEWS:
+            # upstream's conj of a 0-d tensor (its constant path) loses the bit, fake and values
+            result = self._view(wrapped, args, kwargs, mode, func, op)
+            if result is not _NOT_FAST:
+                return result
         if not self.repair or not (
             _needs_value_keys(op[0]) or (op[1] and _needs_value_keys(op[1].values()))
         ):
@@ -331,6 +337,8 @@ class Propagation:
             written = _written_names(func)
             if written:
                 self._guarded(self._restride, mode, func, op, written)
+            elif _aliasing(func):
+                _bits_of_real_views(result)
         return result
 
     def _restride(self, mode: Any, func: Any, op: Any, written: frozenset[str]) -> None:
@@ -539,6 +547,42 @@ class Propagation:
         if trace.enabled(trace.DEBUG):
             trace.emit("propagation_fast", trace.DEBUG, op=str(func))
         return result
+
+    def _in_place(self, mode: Any, func: Any, op: Any) -> Any:
+        """An in-place op that changes only its first argument's values (``add_``, ``relu_``,
+        ``uniform_``, ``copy_``, ``index_add_``), every fake argument this mode's with values:
+        the real kernel on the values (``self``'s are the fake's own, so the fake and every view
+        of it see the update, as eager's views do), and ``self``'s fake returned, its metadata
+        unchanged. Upstream runs the real kernel, then the fake side: a decomposition whose
+        nested ops run for real again (``index_add_``, ``uniform_``'s second draw), and the
+        Conjugate fallback's resolve-compute-copy-back on plain values instead of eager's own
+        conj handling. What the write-back watch sees is the same (it reads the op's arguments
+        around this call). ``_NOT_FAST``: a constant in the mode (upstream invalidates the
+        constants a write reaches), ``self`` not a plain fake of its values."""
+        if _targets.has_constants(mode.fake_tensor_converter):
+            return _NOT_FAST
+        op_args, op_kwargs = op
+        first = op_args[0] if op_args else op_kwargs.get("self")
+        if not isinstance(first, torch.Tensor):
+            return _NOT_FAST
+        if not self._is_fake(first):
+            # a real tensor written: upstream's (all real: it runs on the tensor itself; else
+            # the update reaches its copy, watched and reported, or written back)
+            return _NOT_FAST
+        fake = first
+        if getattr(fake, "fake_mode", None) is not mode or fake.layout != torch.strided:
+            return _NOT_FAST
+        real = getattr(fake, "real_tensor", None)
+        if real is None or _is_zero(real) or _is_zero(fake) or not _same_metadata(fake, real):
+            return _NOT_FAST
+        reals = self._real_arguments(mode, op, (0, self._real_value(mode, fake, self._is_fake)))
+        if reals is _NOT_FAST or reals[0][0] is _NOT_FAST:
+            return _NOT_FAST
+        self._run(func, reals)
+        self.fast_ops += 1
+        if trace.enabled(trace.DEBUG):
+            trace.emit("propagation_fast", trace.DEBUG, op=str(func))
+        return fake
 
     def _view(self, wrapped: Any, args: Any, kwargs: Any, mode: Any, func: Any, op: Any) -> Any:
         """A view op (its returns alias an argument; it writes none), every fake argument this
@@ -954,6 +998,8 @@ _NOT_FAST = object()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: what the fast path does with an op: make new tensors, a view, or upstream's path
 _NEW, _VIEW_OP, _OTHER = "new", "view", "other"
+#: an in-place op the fast path runs on the real values itself (``_plain_in_place``)
+_INPLACE = "in-place"
 #: op -> its kind (decided at its first call)
 _KIND: dict[Any, str] = {}
 _TENSORS = ("Tensor", "Tensor?", "Tensor[]", "List[Tensor]", "Optional[Tensor]")
@@ -1065,11 +1111,12 @@ def _kind(func: Any, mode: Any) -> str:
         return _OTHER
     if func in getattr(mode, "lift_fns", ()) or torch.Tag.inplace_view in func.tags:
         return _OTHER
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-        return _OTHER
     name = schema.name.partition("::")[2]
     if name in HIDDEN_WRITES or name in UPSTREAM_FAKES:
         return _OTHER
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if written:
+        return _INPLACE if _plain_in_place(schema, written, name) else _OTHER
     if any(str(r.type) not in _TENSORS for r in schema.returns):
         return _OTHER
     aliased = [r.alias_info is not None for r in schema.returns]
@@ -1078,6 +1125,26 @@ def _kind(func: Any, mode: Any) -> str:
     if all(aliased) and _view_base(func) >= 0:
         return _VIEW_OP
     return _OTHER
+
+
+def _plain_in_place(schema: Any, written: list[Any], name: str) -> bool:
+    """An in-place op whose only effect is on its first argument's values: ``self`` is the one
+    argument written, a tensor, the one return aliases it, no other argument aliases, and it
+    keeps ``self``'s sizes and strides (not ``resize_``/``set_``, not ``inplace_view``)."""
+    first = schema.arguments[0] if schema.arguments else None
+    if (
+        len(written) != 1
+        or written[0] is not first
+        or str(first.type) != "Tensor"
+        or len(schema.returns) != 1
+        or schema.returns[0].alias_info is None
+        or "resize" in name
+        or name.startswith("set_")
+    ):
+        return False
+    same = schema.returns[0].alias_info.before_set == first.alias_info.before_set
+    others = [a for a in schema.arguments[1:] if a.alias_info is not None]
+    return same and not others
 
 
 #: op -> does it alias its arguments' storage without writing their values (a view, an
@@ -1097,6 +1164,22 @@ def _aliasing(func: Any) -> bool:
         )
         _ALIASING[func] = aliasing
     return aliasing
+
+
+#: the view ops that set a conjugate or negative bit (``conj()``, ``x.conj().imag``)
+_BIT_VIEWS = _targets.bit_views()
+
+
+def _bits_of_real_views(result: Any) -> None:
+    """Upstream's fake of a view whose real kernel set a conjugate or negative bit can lack it
+    (``conj`` of a 0-d tensor: FakeTensorMode's constant path): the real view's bits are
+    eager's, so the fake takes them."""
+    for t in result if isinstance(result, tuple | list) else (result,):
+        real = getattr(t, "real_tensor", None) if isinstance(t, torch.Tensor) else None
+        if real is None or (t.is_conj() == real.is_conj() and t.is_neg() == real.is_neg()):
+            continue
+        _set_conj(t, real.is_conj())
+        _set_neg(t, real.is_neg())
 
 
 _WRITTEN: dict[Any, frozenset[str]] = {}

@@ -469,6 +469,14 @@ SET_NEG = Target("torch._C", "_set_neg", "fakes with eager's negative bit; raw v
 IS_ZEROTENSOR = Target("torch", "Tensor._is_zerotensor", "ZeroTensors keep upstream's path")
 
 
+def bit_views() -> frozenset[Any]:
+    """The aten view ops that set a conjugate or negative bit (``conj()``: ``aten._conj``;
+    ``x.conj().imag``: ``aten._neg_view``), present on every build above."""
+    import torch
+
+    return frozenset({torch.ops.aten._conj.default, torch.ops.aten._neg_view.default})
+
+
 def value_bit_tools() -> tuple[Callable[..., Any], Callable[..., Any], Callable[[Any], bool]]:
     """``(set_conj, set_neg, is_zerotensor)``: SET_CONJ, SET_NEG, IS_ZEROTENSOR."""
     return resolve(SET_CONJ), resolve(SET_NEG), resolve(IS_ZEROTENSOR)
@@ -515,6 +523,15 @@ def real_storage_of(meta_storage: Any) -> Any:
 
 def set_real_storage(meta_storage: Any, real_storage: Any) -> None:
     setattr(meta_storage, REAL_STORAGE_ATTR, real_storage)
+
+
+#: READ (2.4.0 ... 2.15.0): ``FakeTensorConverter.constant_storage_mapping``, the storages of the
+#: mode's constants (``torch.tensor([4.0])``). An in-place op must reach upstream's path while
+#: any exists: it invalidates the constants a write aliases (the fast path would leave a stale
+#: constant for ``.item()`` to read). Absent: assume constants exist.
+def has_constants(converter: Any) -> bool:
+    mapping = getattr(converter, "constant_storage_mapping", None)
+    return mapping is None or bool(mapping)
 
 
 # Public, documented torch APIs we also rely on (listed for completeness; not private):
