@@ -46,6 +46,7 @@ import torch
 
 from .. import trace
 from . import sites as _sites
+from . import state as _state
 from . import targets as _targets
 from .writeback import Frame, WriteBack, _op_arguments, _private_copy, _storage, _written_tensors
 
@@ -217,9 +218,20 @@ class Propagation:
                 self._guarded(wb.nested_write, frame, func, written, op_args, op_kwargs)
                 if self.repair or wb.enabled:  # write-back needs it whatever the setting
                     self._guarded(self._shadow, frame, func, written, op_args, op_kwargs)
+            if self.repair and _random(func) and self._outer_ran_for_real(frame):
+                # the outer op drew its random numbers when it ran for real; its decomposition
+                # (uniform_ -> prims.uniform) must not draw them again
+                with _generators_kept(func, op_args, op_kwargs):
+                    return self._call(wrapped, args, kwargs, mode, func, (op_args, op_kwargs))
             return self._call(wrapped, args, kwargs, mode, func, (op_args, op_kwargs))
         finally:
             frame.depth -= 1
+
+    def _outer_ran_for_real(self, frame: Frame) -> bool:
+        """Did the outermost op of ``frame`` run for real (every fake argument with values)?"""
+        if not frame.scanned:
+            self._wb.scan(frame)
+        return frame.real_ok
 
     def _guarded(self, method: Any, *args: Any) -> None:
         try:
@@ -244,6 +256,25 @@ class Propagation:
                 )
                 if result is not _NOT_FAST:
                     return result
+        if not self.repair or not (
+            _needs_value_keys(op[0]) or (op[1] and _needs_value_keys(op[1].values()))
+        ):
+            return self._upstream(wrapped, args, kwargs, mode, func, op)
+        # complex values, or bits: upstream's real run reads plain values, and runs (as its
+        # fake side's nested ops do) with the Conjugate, Negative and ZeroTensor keys on
+        plain = self._plain_values(mode, func, op)
+        ok = False
+        try:
+            with self._r.value_keys():
+                result = self._upstream(wrapped, args, kwargs, mode, func, op)
+            ok = True
+            return result
+        finally:
+            if plain is not None:
+                self._restore_values(plain, ok)
+
+    def _upstream(self, wrapped: Any, args: Any, kwargs: Any, mode: Any, func: Any, op: Any) -> Any:
+        """Upstream's dispatch, and the recovery of its fake side's failures (:meth:`_call`)."""
         try:
             result = wrapped(*args, **kwargs)
         except Exception as exc:
@@ -264,6 +295,69 @@ class Propagation:
         if self.repair and _fresh_outputs(func):
             return self._agreeing(mode, func, result)
         return result
+
+    def _plain_values(self, mode: Any, func: Any, op: Any) -> list[Any] | None:
+        """Before upstream's real run of an op that is not a view: the arguments whose values
+        carry a conjugate or negative bit or are a ZeroTensor get plain values for the op (the
+        real kernel, called inside the mode, would read the raw storage; eager's Conjugate,
+        Negative and ZeroTensor fallbacks materialize them first). None when there are none
+        (the common case). Written arguments get the op's update copied back afterwards."""
+        plan = _PLAIN_PLAN.get(func)
+        if plan is None:
+            plan = _PLAIN_PLAN[func] = _plain_plan(func)
+        if plan is _NO_PLAN:
+            return None
+        written_names = plan
+        op_args, op_kwargs = op
+        is_fake = self._is_fake
+        swaps: list[Any] = []
+        schema_args = func._schema.arguments
+        for index, argument in enumerate(schema_args):
+            value = op_args[index] if index < len(op_args) else op_kwargs.get(argument.name)
+            tensors = (
+                [value]
+                if isinstance(value, torch.Tensor)
+                else [v for v in value if isinstance(v, torch.Tensor)]
+                if isinstance(value, list | tuple)
+                else ()
+            )
+            for t in tensors:
+                if is_fake(t):
+                    if getattr(t, "fake_mode", None) is not mode:
+                        continue
+                    fake = t
+                elif _convertible(mode, t) and (_lazy_bits(t)):
+                    # converted now: upstream's conversion returns the same fake (memo)
+                    fake = mode.fake_tensor_converter.from_real_tensor(mode, t)
+                else:
+                    continue
+                real = getattr(fake, "real_tensor", None)
+                if real is None or fake.layout != torch.strided:
+                    continue
+                if not (_lazy_bits(fake) or _lazy_bits(real)):
+                    continue
+                written = argument.name in written_names
+                if written and (_is_zero(fake) or _is_zero(real)):
+                    continue  # immutable: upstream's (and eager's) error
+                if any(item[0] is fake for item in swaps):
+                    continue
+                with self._r.no_dispatch():
+                    shadow = _plain(fake, real)
+                    fake.real_tensor = shadow
+                swaps.append((fake, real, shadow, written))
+        return swaps or None
+
+    def _restore_values(self, swaps: list[Any], ok: bool) -> None:
+        """After the op: written arguments get the op's update on their raw storage, read with
+        their bits (``copy_`` applies them); every fake gets its own values back."""
+        with self._r.no_dispatch():
+            for fake, real, shadow, written in reversed(swaps):
+                if written and ok:
+                    view = torch.ops.aten.alias.default(real)
+                    _set_conj(view, fake.is_conj())
+                    _set_neg(view, fake.is_neg())
+                    view.copy_(shadow)
+                fake.real_tensor = real
 
     def _agreeing(self, mode: Any, func: Any, result: Any) -> Any:
         """Upstream's outputs of an op that makes new tensors, each fake agreeing with its own
@@ -350,7 +444,7 @@ class Propagation:
         reals = self._real_arguments(mode, op)
         if reals is _NOT_FAST:
             return _NOT_FAST
-        real_out = func(*reals[0], **reals[1])
+        real_out = self._run(func, reals)
         try:
             result = self._from_real(mode, real_out)
         except _CannotRebuild:
@@ -386,20 +480,27 @@ class Propagation:
         if not is_fake(base):
             if not _convertible(mode, base):
                 return _NOT_FAST
-            base = mode.fake_tensor_converter.from_real_tensor(mode, base)
+            base = _convert(mode, base)
         elif getattr(base, "fake_mode", None) is not mode or base.layout != torch.strided:
             return _NOT_FAST
         base_real = getattr(base, "real_tensor", None)
-        if base_real is None or _lazy_bits(base_real) or not _same_metadata(base, base_real):
+        if (
+            base_real is None
+            or _is_zero(base_real)
+            or _is_zero(base)
+            or not _same_metadata(base, base_real)
+        ):
             return _NOT_FAST  # the fake's layout is not the real one's: upstream's view
         reals = self._real_arguments(mode, op, (base_index, base_real))
         if reals is _NOT_FAST:
             return _NOT_FAST
-        real_out = func(*reals[0], **reals[1])
+        real_out = self._run(func, reals)
         ptr = _storage(base_real)
         try:
             with self._in_kernel(mode):
-                result = _map_tensors(lambda r: self._view_of(mode, base, ptr, r), real_out)
+                result = _map_tensors(
+                    lambda r: self._view_of(mode, base, base_real, ptr, r), real_out
+                )
         except _CannotRebuild:
             # not a view of the base (a copy), a view that changes the dtype or sets the
             # conjugate or negative bit, or out of the fake storage's bounds: upstream's view,
@@ -410,14 +511,24 @@ class Propagation:
             trace.emit("propagation_fast", trace.DEBUG, op=str(func))
         return result
 
-    def _view_of(self, mode: Any, base: Any, ptr: int | None, real: Any) -> Any:
+    def _run(self, func: Any, reals: Any) -> Any:
+        """The real kernel on the real arguments, as eager runs it where values may carry a
+        conjugate or negative bit or be a ZeroTensor (their keys' fallbacks on)."""
+        args, kwargs = reals
+        if _needs_value_keys(args) or (kwargs and _needs_value_keys(kwargs.values())):
+            with self._r.value_keys():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _view_of(self, mode: Any, base: Any, base_real: Any, ptr: int | None, real: Any) -> Any:
         """Inside the mode's kernel invocation: the fake view of ``base`` with ``real``'s
-        metadata, holding ``real``."""
+        metadata, holding ``real``; its conjugate and negative bits are the base's, toggled
+        where the view op toggled the real ones (``conj()``, ``_neg_view``)."""
         if (
             type(real) is not torch.Tensor
             or real.layout != torch.strided
             or real.dtype != base.dtype  # view_as_real/complex, .real/.imag, view(dtype)
-            or _lazy_bits(real)  # conj()'s and neg views' bits (see _lazy_bits)
+            or _is_zero(real)
             or _storage(real) != ptr
         ):
             raise _CannotRebuild
@@ -428,6 +539,12 @@ class Propagation:
         except RuntimeError:
             raise _CannotRebuild from None
         fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
+        conj = base.is_conj() != (real.is_conj() != base_real.is_conj())
+        neg = base.is_neg() != (real.is_neg() != base_real.is_neg())
+        if conj != fake.is_conj():
+            _set_conj(fake, conj)
+        if neg != fake.is_neg():
+            _set_neg(fake, neg)
         fake.real_tensor = real
         return fake
 
@@ -462,13 +579,17 @@ class Propagation:
             if is_fake(value):
                 if getattr(value, "fake_mode", None) is not mode or value.layout != torch.strided:
                     return _NOT_FAST
-                real = getattr(value, "real_tensor", None)
-                return _NOT_FAST if real is None or _lazy_bits(real) else real
-            if not _convertible(mode, value):
-                return _NOT_FAST
-            fake = mode.fake_tensor_converter.from_real_tensor(mode, value)
+                fake = value
+            else:
+                if not _convertible(mode, value):
+                    return _NOT_FAST
+                fake = _convert(mode, value)
             real = getattr(fake, "real_tensor", None)
-            return _NOT_FAST if real is None or _lazy_bits(real) else real
+            if real is None:
+                return _NOT_FAST
+            if fake.is_conj() != real.is_conj() or fake.is_neg() != real.is_neg():
+                return _aligned(fake, real)
+            return real
         if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor | None):
             out = []
             for item in value:
@@ -615,6 +736,7 @@ class Propagation:
             trace.emit(event, trace.INFO, op=str(func), **fields)
 
 
+_set_conj, _set_neg, _is_zero = _targets.value_bit_tools()
 _NOT_FAST = object()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: what the fast path does with an op: make new tensors, a view, or upstream's path
@@ -640,10 +762,63 @@ HIDDEN_WRITES = frozenset(
 )
 
 
+#: aten ops whose outputs upstream's fakes represent with a dispatch key of their own: a fake
+#: made from the real output's metadata would lose it (``_efficientzerotensor``: autograd's
+#: zero gradients; without the ZeroTensor key on the fake, the next op reaches the mode and its
+#: real kernel reads the real ZeroTensor's null data pointer)
+UPSTREAM_FAKES = frozenset({"_efficientzerotensor"})
+
+
 def _lazy_bits(t: Any) -> bool:
-    """A conjugate or negative view bit: real kernels called inside a dispatch mode ignore them
-    (the Conjugate and Negative keys are below it), so such values go upstream's way."""
-    return bool(t.is_conj() or t.is_neg())
+    """A conjugate or negative view bit, or a ZeroTensor (no storage): real kernels called
+    inside a dispatch mode ignore the bits and read a ZeroTensor's null data pointer (the
+    Conjugate, Negative and ZeroTensor keys are above the Python key, so excluded there), so
+    such values go upstream's way, whose fakes carry the same keys."""
+    return bool(t.is_conj() or t.is_neg() or _is_zero(t))
+
+
+def _aligned(fake: Any, real: Any) -> Any:
+    """``real``'s raw storage read with ``fake``'s conjugate and negative bits (an alias)."""
+    view = torch.ops.aten.alias.default(real)
+    _set_conj(view, fake.is_conj())
+    _set_neg(view, fake.is_neg())
+    return view
+
+
+def _needs_value_keys(values: Any) -> bool:
+    """Might a real kernel on these values meet a conjugate or negative bit or a ZeroTensor
+    (a complex value: composite kernels make conjugate views of their own)?"""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.is_complex() or value.is_neg() or _is_zero(value):
+                return True
+        elif isinstance(value, list | tuple) and _needs_value_keys(value):
+            return True
+    return False
+
+
+def _plain(fake: Any, real: Any) -> Any:
+    """The values ``fake`` stands for, as a plain tensor a real kernel reads right inside the
+    mode. Propagated values are the raw storage and the fake's own bits say how to read it
+    (the converter gives a conjugate view's fake its bit and a copy of the raw storage without
+    it; view ops set the bit on both), so the raw storage is read with the fake's bits and
+    materialized by ``clone`` (``copy_`` applies the bits itself); a ZeroTensor is zeros."""
+    if _is_zero(fake) or _is_zero(real):
+        return torch.zeros(real.shape, dtype=real.dtype, device=real.device)
+    return torch.ops.aten.clone.default(_aligned(fake, real))
+
+
+def _convert(mode: Any, t: Any) -> Any:
+    """``t``'s fake, converted as upstream converts an op input (the patch's conversion path:
+    arming, values, write-back), known not to have run for real (the fast path runs it once,
+    after)."""
+    converting = _state.converting
+    before = getattr(converting, "fast", False)
+    converting.fast = True
+    try:
+        return mode.fake_tensor_converter.from_real_tensor(mode, t)
+    finally:
+        converting.fast = before
 
 
 def _convertible(mode: Any, t: Any) -> bool:
@@ -679,7 +854,8 @@ def _kind(func: Any, mode: Any) -> str:
         return _OTHER
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return _OTHER
-    if schema.name.partition("::")[2] in HIDDEN_WRITES:
+    name = schema.name.partition("::")[2]
+    if name in HIDDEN_WRITES or name in UPSTREAM_FAKES:
         return _OTHER
     if any(str(r.type) not in _TENSORS for r in schema.returns):
         return _OTHER
@@ -689,6 +865,80 @@ def _kind(func: Any, mode: Any) -> str:
     if all(aliased) and _view_base(func) >= 0:
         return _VIEW_OP
     return _OTHER
+
+
+_NO_PLAN: frozenset[str] = frozenset()
+#: op -> the names of the arguments it writes (plain values for its real run), or ``_NO_PLAN``
+#: (a view, an ``inplace_view`` op, ``set_``: their outputs alias the raw storage itself)
+_PLAIN_PLAN: dict[Any, frozenset[str]] = {}
+
+
+def _plain_plan(func: Any) -> frozenset[str]:
+    schema = getattr(func, "_schema", None)
+    if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ()):
+        return _NO_PLAN
+    written = frozenset(
+        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+    )
+    returns_alias = any(r.alias_info is not None for r in schema.returns)
+    if returns_alias and not written:
+        return _NO_PLAN  # a view
+    if schema.name.partition("::")[2].startswith("set_"):
+        return _NO_PLAN
+    return written or frozenset({""})
+
+
+_RANDOM: dict[Any, bool] = {}
+
+
+def _random(func: Any) -> bool:
+    """Does ``func`` draw from a generator (``nondeterministic_seeded``)?"""
+    random = _RANDOM.get(func)
+    if random is None:
+        random = _RANDOM[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    return random
+
+
+class _generators_kept:
+    """The generators an op draws from have the same state after it as before: its explicit
+    ``generator`` argument, else the default generators of the devices it names or works on
+    (CPU and CUDA; another device's default generator is not reachable by a public API and is
+    left to draw)."""
+
+    def __init__(self, func: Any, op_args: Any, op_kwargs: Any) -> None:
+        self.kept: list[tuple[Any, Any]] = []
+        generators = [v for v in (*op_args, *op_kwargs.values()) if isinstance(v, torch.Generator)]
+        if not generators:
+            devices = {t.device for t in _flat_tensors((*op_args, *op_kwargs.values()))}
+            device = op_kwargs.get("device")
+            if device is not None:
+                devices.add(torch.device(device))
+            if not devices:
+                devices.add(torch.device("cpu"))
+            for d in devices:
+                if d.type == "cpu":
+                    generators.append(torch.random.default_generator)
+                elif d.type == "cuda" and torch.cuda.is_initialized():
+                    index = d.index if d.index is not None else torch.cuda.current_device()
+                    generators.append(torch.cuda.default_generators[index])
+        self.kept = [(g, g.get_state()) for g in generators]
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        for generator, state in self.kept:
+            generator.set_state(state)
+
+
+def _flat_tensors(values: Any) -> list[Any]:
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, list | tuple):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
 
 
 def _map_tensors(fn: Any, value: Any) -> Any:

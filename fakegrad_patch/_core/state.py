@@ -42,3 +42,16 @@ def current() -> Any:
 
 def set_current(applied: Any) -> None:
     _Current.applied = applied
+
+
+#: per thread: ``converting.fast`` is True while the propagation fast path converts an op's real
+#: arguments (the op has not run for real: frame inspection cannot tell, no ``_dispatch_impl``)
+converting = threading.local()
+
+
+def op_ran_for_real(resolved: Any) -> bool | None:
+    """Has the op being dispatched already run on its real arguments (see
+    ``targets._make_op_ran_for_real``)? False during the fast path's conversions."""
+    if getattr(converting, "fast", False):
+        return False
+    return resolved.op_ran_for_real()  # type: ignore[no-any-return]

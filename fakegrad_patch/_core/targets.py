@@ -118,7 +118,8 @@ NO_DISPATCH = Target(
 FORCE_DISPATCH_KEY_GUARD = Target(
     "torch._C",
     "_ForceDispatchKeyGuard",
-    "reach a leaf's AccumulateGrad node from inside fake dispatch",
+    "reach a leaf's AccumulateGrad node from inside fake dispatch; run real kernels inside "
+    "the mode with the Conjugate, Negative and ZeroTensor keys enabled, as eager runs them",
 )
 TLS_INCLUDE_SET = Target(
     "torch._C",
@@ -450,6 +451,25 @@ OPTIONAL_TARGETS: frozenset[Target] = frozenset(
     }
 )
 
+#: CALLED. Set a tensor's conjugate / negative view bit (what ``conj()`` and ``_neg_view`` do to
+#: their outputs). The fast path gives a fake view the bits eager's view has, and reads a fake's
+#: propagated values (its raw storage) with the fake's own bits: upstream's converter gives a
+#: conjugate view's fake the bit and a copy of the raw storage without it. Checked on the builds
+#: above (2.4 included).
+SET_CONJ = Target(
+    "torch._C", "_set_conj", "fakes with eager's conjugate bit; raw values read with it"
+)
+SET_NEG = Target("torch._C", "_set_neg", "fakes with eager's negative bit; raw values read with it")
+#: CALLED. A ZeroTensor (autograd's ``_efficientzerotensor``: no storage). Its fakes keep
+#: upstream's path (the ZeroTensor key on the fake), and real kernels run with its key on.
+IS_ZEROTENSOR = Target("torch", "Tensor._is_zerotensor", "ZeroTensors keep upstream's path")
+
+
+def value_bit_tools() -> tuple[Callable[..., Any], Callable[..., Any], Callable[[Any], bool]]:
+    """``(set_conj, set_neg, is_zerotensor)``: SET_CONJ, SET_NEG, IS_ZEROTENSOR."""
+    return resolve(SET_CONJ), resolve(SET_NEG), resolve(IS_ZEROTENSOR)
+
+
 # Public, documented torch APIs we also rely on (listed for completeness; not private):
 # torch.autograd.graph.get_gradient_edge (>=2.2), Node.register_prehook, Node.next_functions,
 # AccumulateGrad.variable, Tensor._base, Tensor.retains_grad, Tensor._version.
@@ -521,6 +541,8 @@ class Resolved:
     real_of: Callable[[Any], Any]
     post_accumulate_hooks: Callable[[Any], Any]
     ordinary_dispatch: Callable[[], Any]
+    #: the caller's dispatch state with the Conjugate, Negative and ZeroTensor keys enabled
+    value_keys: Callable[[], Any]
     op_ran_for_real: Callable[[], bool | None]
     dispatching_op: Callable[[], tuple[Any, Any, Any] | None]
     torch_is_tracing: Callable[[], bool]
@@ -550,6 +572,7 @@ def resolve_all() -> Resolved:
         graph_task_id=_resolve_optional(GRAPH_TASK_ID),
         grad_accumulator=_make_grad_accumulator_getter(),
         ordinary_dispatch=_make_ordinary_dispatch(),
+        value_keys=_make_value_keys(),
         op_ran_for_real=_make_op_ran_for_real(module.FakeTensorMode),
         dispatching_op=_make_dispatching_op(module.FakeTensorMode),
         tensor_use_count=resolve(TENSOR_USE_COUNT),
@@ -713,6 +736,31 @@ def _make_ordinary_dispatch() -> Callable[[], Any]:
     guard = resolve(FORCE_DISPATCH_KEY_GUARD)
     include, exclude = _ordinary_keys()
     return lambda: guard(include, exclude)
+
+
+def _make_value_keys() -> Callable[[], Any]:
+    """A context manager factory: the dispatch state of the caller with the Conjugate, Negative
+    and ZeroTensor keys no longer excluded. Inside a mode's ``__torch_dispatch__`` every key
+    above the Python key is excluded, so a real kernel called there reads a conjugate or
+    negative view's raw storage and a ZeroTensor's null data pointer, and a composite kernel's
+    own conjugate views (``linalg.pinv``'s ``mH``) are read raw. Eager runs those keys'
+    fallbacks; so do the real kernels the patch runs under this guard."""
+    import torch
+
+    guard = resolve(FORCE_DISPATCH_KEY_GUARD)
+    include_set, exclude_set = resolve(TLS_INCLUDE_SET), resolve(TLS_EXCLUDE_SET)
+    key = torch._C.DispatchKey
+    keys = (key.Conjugate, key.Negative, key.ZeroTensor)
+
+    def value_keys() -> Any:
+        exclude = exclude_set()
+        if not any(exclude.has(k) for k in keys):
+            return contextlib.nullcontext()
+        for k in keys:
+            exclude = exclude.remove(k)
+        return guard(include_set(), exclude)
+
+    return value_keys
 
 
 def _make_op_ran_for_real(mode_cls: type) -> Callable[[], bool | None]:

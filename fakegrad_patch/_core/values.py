@@ -42,6 +42,7 @@ import torch
 
 from .. import _config, trace
 from . import leaves as _leaves
+from . import state as _state
 from .probes import D2, FOREIGN_FAKE, bypassed
 from .weak import WeakIdTable
 
@@ -368,7 +369,7 @@ class Values:
             return
         if fake.stride() != grad.stride() or fake.dtype != grad.dtype:
             return
-        if self._r.op_ran_for_real() is not False:
+        if _state.op_ran_for_real(self._r) is not False:
             # ``p.grad.mul_(3)`` with all-real arguments: FakeTensorMode already ran it on the
             # real grad (upstream's constant propagation); an alias would apply it twice. Or we
             # cannot tell. Upstream semantics for this op: the fake works on a copy (a fresh one

@@ -46,6 +46,7 @@ import torch
 
 from .. import trace
 from . import leaves as _leaves
+from . import state as _state
 from .state import warn_once
 from .weak import WeakIdTable
 
@@ -441,7 +442,7 @@ class WriteBack:
         frame.keep.append(fake)
         if frame.depth != 0 or id(t) not in frame.direct:
             return
-        if self._r.op_ran_for_real():
+        if _state.op_ran_for_real(self._r):
             return  # upstream ran the op on the real arguments first (constant propagation)
         if (
             self.enabled
@@ -462,10 +463,9 @@ class WriteBack:
         written = self.written_args(func)
         if not written:
             return
-        if (
-            any(w is t for w in _written_tensors(written, op_args, op_kwargs or {}))
-            and not self._r.op_ran_for_real()
-        ):
+        if any(
+            w is t for w in _written_tensors(written, op_args, op_kwargs or {})
+        ) and not _state.op_ran_for_real(self._r):
             report_lost(t, str(func), "", self.enabled)
 
     def _alias_parameter(self, frame: Frame, t: Any, fake: Any, real: Any) -> bool:
@@ -541,7 +541,7 @@ class WriteBack:
             or real.storage_offset() != t.storage_offset()
         ):
             return False
-        if self._r.op_ran_for_real() is not False:
+        if _state.op_ran_for_real(self._r) is not False:
             return False  # upstream already applied this op to t for real (or cannot tell)
         root = t._base if t._base is not None else t
         fake_root = fake._base if fake._base is not None else fake
