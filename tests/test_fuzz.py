@@ -12,10 +12,14 @@ seconds; ``FAKEGRAD_FUZZ_SETTINGS=fast,repair,fast-wb,repair-wb`` for the write-
 Every failure reproduces alone: ``python tests/fuzz_programs.py --seed N --setting S --show``
 prints the program as plain Python, ``--seed N --setting S`` runs it and prints what differed.
 The categories go to a JSON beside the run (``FAKEGRAD_SWEEP_DIR``, as the operator sweep's).
+Two quick tests check the harness itself: a program run eagerly twice compares exact (nothing in
+it but its seed decides a value), and a record with one thing changed compares silent.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import pathlib
@@ -101,3 +105,44 @@ def test_more_programs_within_a_budget(tmp_path: pathlib.Path) -> None:
     _report(rows, settings, "fuzz-budget", tmp_path)
     bad = [r for r in rows if r["outcome"] in ("crash", "silent")]
     assert not bad, f"{len(bad)} of {len(rows)} programs:\n" + _lines(bad)
+
+
+def test_eager_twice_is_exact() -> None:
+    """The harness itself: a program's eager run is a function of its seed (no uninitialised
+    memory read, no other state), so any difference a patched run shows is the patch's."""
+    outcomes = {seed: fuzz_programs.self_check(seed).outcome for seed in range(30)}
+    # "error": the program ends at a step eager raises at, kept on purpose (both runs raise)
+    assert set(outcomes.values()) <= {"exact", "error"}, outcomes
+    assert list(outcomes.values()).count("exact") >= 20
+
+
+def test_the_comparison_sees_each_kind_of_difference() -> None:
+    """A copy of an eager record with one thing changed is ``silent``, naming it."""
+    seed = next(s for s in range(50) if fuzz_programs.self_check(s).outcome == "exact")
+    prog = fuzz_programs.generate(seed)
+    want = fuzz_programs.run_eager(prog)
+    name, snap = next(
+        (n, v)
+        for n, v in want.steps[0].items()
+        if isinstance(v, fuzz_programs.TSnap) and v.values is not None and v.values.numel() > 1
+    )
+    changes = {
+        "values differ": {"values": snap.values + 1},
+        "stride": {"stride": tuple(x + 1 for x in snap.stride)},
+        "is_conj": {"conj": not snap.conj},
+        "no real values": {"values": None},
+        "requires_grad": {"requires_grad": not snap.requires_grad},
+    }
+    for what, change in changes.items():
+        got = copy.deepcopy(want)
+        got.steps[0][name] = dataclasses.replace(snap, **change)
+        res = fuzz_programs.classify(prog, got, want, [])
+        assert res.outcome == "silent" and what in res.why, (what, res)
+        assert fuzz_programs.classify(prog, got, want, ["a warning"]).outcome == "reported"
+    got = copy.deepcopy(want)
+    got.rng[0] = "another state"
+    assert "RNG" in fuzz_programs.classify(prog, got, want, []).why
+    got = copy.deepcopy(want)
+    got.error = (0, RuntimeError("aten.mm: no"))
+    res = fuzz_programs.classify(prog, got, want, [])
+    assert res.outcome == "loud" and res.names_op and res.step == 0
