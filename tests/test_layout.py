@@ -48,6 +48,7 @@ RANKS: list[tuple[str, list[str]]] = [
             "_core.writeback",
             "_core.ddp",
             "_core.mismatch",
+            "_core.dataattr",
         ],
     ),
     ("propagation: the dispatch wrapper", ["_core.propagation"]),

@@ -93,7 +93,7 @@ def assert_like_eager(
     assert torch.equal(f_rng, e_rng), "the program drew random numbers differently"
 
 
-# -- ZeroTensors: autograd's zero gradients (double backward, forward AD) -----------------------
+# -- ZeroTensors: autograd's zero gradients (double backward, forward AD) --------------------------
 
 #: Each program takes its leaves and runs a double backward whose formulas make
 #: ``aten._efficientzerotensor`` (a ZeroTensor: no storage). A fake made from a real ZeroTensor
@@ -184,7 +184,7 @@ def test_torch_func_jvp(setting: str) -> None:
     assert_like_eager(program, lambda: (torch.randn(4), torch.randn(4)))
 
 
-# -- complex values: conjugate and negative bits ------------------------------------------------
+# -- complex values: conjugate and negative bits ---------------------------------------------------
 
 #: Real kernels called inside a dispatch mode run with the Conjugate and Negative keys excluded:
 #: they read a conjugate view's raw storage, and a composite kernel's own conjugate views
@@ -233,7 +233,7 @@ def test_complex_programs_follow_eager(setting: str, name: str) -> None:
     assert_like_eager(program, _complex_leaves)
 
 
-# -- random numbers: drawn once, as eager draws them ---------------------------------------------
+# -- random numbers: drawn once, as eager draws them -----------------------------------------------
 
 
 def _linear_inside(x: torch.Tensor) -> Any:
@@ -274,3 +274,196 @@ def test_random_numbers_are_drawn_as_eager_draws_them(setting: str, name: str) -
         return (*outputs(out), torch.rand(2))  # the draw after the program too
 
     assert_like_eager(program, lambda: (torch.randn(4, requires_grad=True),))
+
+
+# -- FakeTensorMode's own semantics: constants -----------------------------------------------------
+
+
+def _constants() -> dict[str, Any]:
+    """What FakeTensorMode's constant tracking says about a few programs (in a propagating mode
+    without ``allow_non_fake_inputs``, as PyTorch's own tests run it)."""
+    seen: dict[str, Any] = {}
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        a = torch.tensor([4.0])
+        seen["literal"] = a.constant
+        seen["view_of_literal"] = a[:].constant
+        seen["folded_div"] = torch.div(4, 4, rounding_mode="trunc").constant
+        seen["folded_op_on_constants"] = (a * 2).constant
+        x = torch.tensor([1])
+        y = x.expand([4])
+        y[0] = 5  # a write through a view invalidates the constant it aliases
+        seen["after_a_write_through_a_view"] = x.constant
+        real = x.real_tensor
+    seen["real_value_after_the_write"] = real.clone()
+    return seen
+
+
+def test_constant_tracking_is_upstreams(setting: str) -> None:
+    """The fast path stood in front of it: ``tensor([4.0])[:]`` lost its constant,
+    ``div(4, 4)`` was not folded, and a write through a view of a constant did not invalidate
+    it (``x.item()`` then read the stale constant)."""
+    ours = _constants()
+    fakegrad_patch.configure(propagation="upstream")
+    theirs = _constants()
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        if theirs[key] is None:
+            assert ours[key] is None, key
+        else:
+            assert ours[key] is not None and torch.equal(ours[key], theirs[key]), key
+    assert ours["after_a_write_through_a_view"] is None
+    assert torch.equal(ours["real_value_after_the_write"], torch.tensor([5]))
+
+
+def test_item_after_a_write_through_a_view_of_a_constant_is_the_written_value(
+    setting: str,
+) -> None:
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        x = torch.tensor([1])
+        x.expand([4])[0] = 5
+        assert x.item() == 5  # upstream refuses (data-dependent); never the stale 1
+
+
+# -- in-place updates of real tensors, then read again inside the mode -----------------------------
+
+WRITES_THEN_READ: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "through_a_view_of_a_view": lambda x: x.view(2, 3)[:, :2].add_(1),
+    "directly": lambda x: x.add_(1),
+    "through_a_slice": lambda x: x[:2].add_(1),
+    "through_a_full_view": lambda x: x.view(6).add_(1),
+}
+
+
+@pytest.mark.parametrize("write", WRITES_THEN_READ)
+def test_a_buffer_written_inside_the_mode_is_read_back_with_the_write(
+    setting: str, write: str
+) -> None:
+    """With write-back, the buffer and what the mode reads of it afterwards are eager's: the
+    fake that aliased the buffer died with the views, and the converter's storage memo gave the
+    next conversion the copy of the first one (stale: [0, 1, 2, ...] after the write)."""
+    fakegrad_patch.configure(buffers="write_back")
+
+    def program(x: torch.Tensor) -> Any:
+        written = WRITES_THEN_READ[write](x)  # the view stays alive while x is read
+        return x * 1, x.sum(), written
+
+    def make() -> tuple[torch.Tensor]:
+        return (torch.arange(6.0),)
+
+    e_values, _, _, _ = run(program, make, fake=False)
+    torch.manual_seed(0)
+    buffer = make()[0]
+    with fake_mode():
+        read = [logical(t) for t in program(buffer)]
+    for f, e in zip(read, e_values, strict=True):
+        assert torch.equal(f, e)
+    assert torch.equal(buffer, e_values[0])
+
+
+# -- `.data` assignment inside the mode ------------------------------------------------------------
+
+DATA_ASSIGNMENTS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "scaled_copy_of_itself": lambda p: p.data * 2,
+    "new_values_of_the_same_shape": lambda p: torch.ones(3),
+    "another_shape": lambda p: torch.arange(6.0).reshape(2, 3),
+}
+
+
+def test_data_of_a_tensor_made_inside_the_mode(setting: str) -> None:
+    """``fake.data = other_fake``: set_data carries the metadata, not the propagated values
+    (a Python attribute): the fake kept its old values."""
+
+    def program(x: torch.Tensor) -> Any:
+        y = x * 2
+        y.data = torch.randn_like(y) + 5
+        return y * 1, y
+
+    assert_like_eager(program, lambda: (torch.randn(3),))
+
+
+@pytest.mark.parametrize("assignment", DATA_ASSIGNMENTS)
+def test_data_assigned_inside_the_mode_is_eagers(setting: str, assignment: str) -> None:
+    """``real.data = fake`` made the real Parameter a meta tensor (every later op failed; after
+    the mode it was garbage)."""
+    new = DATA_ASSIGNMENTS[assignment]
+
+    def program(p: torch.Tensor) -> Any:
+        p.data = new(p)
+        (p * 3).sum().backward()
+        return p * 1
+
+    def make() -> tuple[torch.Tensor]:
+        return (torch.nn.Parameter(torch.arange(3.0)),)
+
+    assert_like_eager(program, make)
+    (p,) = make()
+    with fake_mode():
+        program(p)
+    assert type(p) is torch.nn.Parameter and p.device.type == "cpu"
+
+
+def test_the_data_property_is_torchs_own_once_no_propagating_mode_lives() -> None:
+    import gc
+
+    mode = fake_mode()
+    with mode:
+        torch.ones(1) * 2
+        assert "data" in torch.Tensor.__dict__  # ours, while the mode lives
+    del mode
+    gc.collect()
+    assert "data" not in torch.Tensor.__dict__
+
+
+# -- set_(): a tensor made to alias another's storage ----------------------------------------------
+
+SET_STORAGE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "real_storage_with_offset": lambda a: torch.empty(0).set_(a.untyped_storage(), 1, (2,), (1,)),
+    "real_storage_whole": lambda a: torch.empty(0).set_(a.untyped_storage()),
+    "fake_source": lambda a: torch.empty(0).set_(a * 2),
+    "fake_source_with_offset": lambda a: torch.empty(0).set_(a * 2, 1, (2,), (2,)),
+    "fake_storage": lambda a: torch.empty(0).set_((a * 2).untyped_storage(), 2, (2,), (1,)),
+}
+
+
+@pytest.mark.parametrize("how", SET_STORAGE)
+def test_set_storage_inside_the_mode_is_eagers(setting: str, how: str) -> None:
+    """Upstream's real run got a fake's meta storage, or its fake side a real storage, and
+    both refused ('set the storage of a tensor on device cpu to a storage on different device
+    meta')."""
+
+    def program(a: torch.Tensor) -> Any:
+        t = SET_STORAGE[how](a)
+        return t * 1, t
+
+    assert_like_eager(program, lambda: (torch.arange(6.0),))
+
+
+# -- a real leaf updated for real inside the mode (all-real arguments), viewed before --------------
+
+LEAF_UPDATES: dict[str, Callable[[torch.Tensor], None]] = {
+    # every argument real: FakeTensorMode runs these on the leaf itself, whatever the setting
+    "sgd_like_add_": lambda p: p.add_(p.grad, alpha=-0.1),
+    "mul_": lambda p: p.mul_(0.5),
+    # a fake argument (copy_) or none that FakeTensorMode runs for real (zero_): the update
+    # reaches the leaf with buffers="write_back" (reported, and lost, without it)
+    "copy_": lambda p: p.copy_(p.detach() * 3),
+    "zero_": lambda p: p.zero_(),
+}
+
+
+@pytest.mark.parametrize("update", LEAF_UPDATES)
+def test_views_made_before_a_real_update_of_their_leaf_read_it(setting: str, update: str) -> None:
+    """The views made of the leaf earlier are over the fake's copy, which followed only at the
+    leaf's next conversion: they read the old values until then."""
+    if update in ("copy_", "zero_"):
+        fakegrad_patch.configure(buffers="write_back")
+
+    def program(p: torch.Tensor) -> Any:
+        view = p.unsqueeze(0).expand(2, 3, 4)
+        other = p.t()
+        (view.sum() + other.sum()).backward()
+        with torch.no_grad():
+            LEAF_UPDATES[update](p)
+        return view * 1, other * 1, view, other
+
+    assert_like_eager(program, lambda: (torch.nn.Parameter(torch.randn(3, 4)),))

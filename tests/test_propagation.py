@@ -261,6 +261,40 @@ def test_an_op_without_a_meta_kernel_and_without_values_is_reported() -> None:
     assert any(issubclass(c.category, FakeGradPatchWarning) for c in caught)
 
 
+@functools.cache
+def _no_fake_op() -> Any:
+    """An op with a CPU kernel and neither a fake nor a meta kernel, in a namespace the unsafe
+    fallback does not allow (PyTorch's test_custom_op_fallback): upstream raises
+    UnsupportedOperatorException."""
+    lib = torch.library.Library("fakegrad_nofake", "DEF")
+    lib.define("cos(Tensor x) -> Tensor")
+    lib.impl("cos", lambda x: x.cos(), "CPU")
+    _no_fake_op.lib = lib  # type: ignore[attr-defined]
+    return torch.ops.fakegrad_nofake.cos.default
+
+
+@pytest.mark.parametrize("setting", ["repair", "fast", "upstream"])
+def test_an_op_without_a_fake_kernel_gets_the_real_kernels_outputs(setting: str) -> None:
+    """On purpose (upstream's own test asserts the refusal): in a propagating mode the outputs
+    are made from the real kernel's; ``propagation="upstream"`` keeps upstream's refusal."""
+    op = _no_fake_op()
+    fakegrad_patch.configure(propagation=setting)  # type: ignore[arg-type]
+    x = torch.arange(4.0)
+    with fake_mode() as mode:
+        if setting == "upstream":
+            with pytest.raises(fake_tensor_module.UnsupportedOperatorException, match="nofake"):
+                op(mode.from_tensor(x))
+            return
+        with trace.capture(trace.INFO) as events:
+            y = op(mode.from_tensor(x))
+        assert isinstance(y, FakeTensor) and y.shape == (4,)
+        torch.testing.assert_close(_values(y), x.cos())
+    rebuilt = _events(events, "propagation_rebuilt")
+    assert [(e["op"], e["reason"]) for e in rebuilt] == [
+        ("fakegrad_nofake.cos.default", "UnsupportedOperatorException")
+    ]
+
+
 def test_the_fallback_repair_is_traced() -> None:
     op = _fallback_ops()["meta_raises"]
     with trace.capture(trace.INFO) as events, fake_mode():

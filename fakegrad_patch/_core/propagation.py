@@ -48,6 +48,7 @@ from .. import trace
 from . import sites as _sites
 from . import state as _state
 from . import targets as _targets
+from .dataattr import make_data_property
 from .writeback import Frame, WriteBack, _op_arguments, _private_copy, _storage, _written_tensors
 
 
@@ -73,6 +74,7 @@ class Propagation:
         # resolved once: every optional touch point may be absent on a build
         self._from_meta = _targets._resolve_optional(_targets.FROM_META_AND_DEVICE)
         self._in_kernel = _targets._resolve_optional(_targets.IN_KERNEL_INVOCATION)
+        self._allow_numbers = _targets._resolve_optional(_targets.SHOULD_ALLOW_NUMBERS)
         self._can_read_frames = (
             _targets._resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT) is not None
         )
@@ -119,6 +121,17 @@ class Propagation:
                         lost="in-place updates of real tensors inside the mode are not watched",
                     )
                 ]
+                if "data" not in torch.Tensor.__dict__:
+                    sites.append(
+                        _sites.Site(
+                            torch.Tensor,
+                            "data",
+                            make_data_property(self._is_fake),
+                            _sites.ABSENT,
+                            registry=_sites.user_modes,
+                            lost="`real.data = fake` inside the mode makes the tensor a meta one",
+                        )
+                    )
                 module = self._r.fake_tensor_module
                 fallback = module.__dict__.get("run_fallback_kernel")
                 if fallback_ok and self._can_read_frames and callable(fallback):
@@ -244,6 +257,10 @@ class Propagation:
         kernel that refuses, disagrees, is missing or raises; propagation's own cross-check),
         the real kernel's outputs. Upstream's schema checks of custom ops (mutation, aliasing)
         stand, but for its false report on ``None`` optional arguments."""
+        if self.repair and func in _SET_STORAGE:
+            result = self._set_storage(mode, func, op)
+            if result is not _NOT_FAST:
+                return result
         if self.fast:
             kind = _KIND.get(func)
             if kind is None:
@@ -292,9 +309,48 @@ class Propagation:
                 self._applied._mismatch.report(exc)  # a metadata mismatch, said plainly
                 raise
             return result
-        if self.repair and _fresh_outputs(func):
-            return self._agreeing(mode, func, result)
+        if self.repair:
+            if _fresh_outputs(func):
+                return self._agreeing(mode, func, result)
+            written = _written_names(func)
+            if written:
+                self._guarded(self._restride, mode, func, op, written)
         return result
+
+    def _restride(self, mode: Any, func: Any, op: Any, written: frozenset[str]) -> None:
+        """After an ``out=`` or in-place op: a written fake whose real values were laid out
+        otherwise by the real kernel (an empty ``out`` resized like a non-contiguous input;
+        the meta kernel resizes it contiguous) gets their strides and offset, as eager has."""
+        if self._in_kernel is None:
+            return
+        op_args, op_kwargs = op
+        for index, argument in enumerate(func._schema.arguments):
+            if argument.name not in written:
+                continue
+            value = op_args[index] if index < len(op_args) else op_kwargs.get(argument.name)
+            for t in _flat_tensors((value,)):
+                real = getattr(t, "real_tensor", None) if self._is_fake(t) else None
+                if (
+                    real is None
+                    or t.layout != torch.strided
+                    or real.layout != torch.strided
+                    or t.shape != real.shape
+                    or (t.stride() == real.stride() and t.storage_offset() == real.storage_offset())
+                    or _extent(real) * real.element_size() > t.untyped_storage().nbytes()
+                ):
+                    continue
+                with self._in_kernel(mode):
+                    torch.ops.aten.as_strided_.default(
+                        t, real.shape, real.stride(), real.storage_offset()
+                    )
+                self._report(
+                    "restrided",
+                    "propagation_rebuilt",
+                    func,
+                    reason="strides",
+                    cause="a written fake's strides differ from its real values'",
+                    outputs="fake",
+                )
 
     def _plain_values(self, mode: Any, func: Any, op: Any) -> list[Any] | None:
         """Before upstream's real run of an op that is not a view: the arguments whose values
@@ -302,12 +358,9 @@ class Propagation:
         real kernel, called inside the mode, would read the raw storage; eager's Conjugate,
         Negative and ZeroTensor fallbacks materialize them first). None when there are none
         (the common case). Written arguments get the op's update copied back afterwards."""
-        plan = _PLAIN_PLAN.get(func)
-        if plan is None:
-            plan = _PLAIN_PLAN[func] = _plain_plan(func)
-        if plan is _NO_PLAN:
+        if _aliasing(func):
             return None
-        written_names = plan
+        written_names = _written_names(func)
         op_args, op_kwargs = op
         is_fake = self._is_fake
         swaps: list[Any] = []
@@ -365,6 +418,17 @@ class Propagation:
         propagation does not check it (2.4: no cross-check; a custom op's wrong fake kernel),
         the fake is made again from its values (``propagation_rebuilt``)."""
         outs = result if isinstance(result, tuple | list) else (result,)
+        for t in outs:
+            # the real storage each new fake's storage stands for (meta_utils' convention, as
+            # the converter's and the fast path's fakes have it): set_() with it finds it
+            real = getattr(t, "real_tensor", None) if isinstance(t, torch.Tensor) else None
+            if (
+                real is not None
+                and real.layout == torch.strided
+                and t.layout == torch.strided
+                and not _is_zero(real)
+            ):
+                _targets.set_real_storage(t.untyped_storage(), real.untyped_storage())
         if not any(_disagrees(t) for t in outs):
             return result  # the common case
         try:
@@ -378,7 +442,7 @@ class Propagation:
             "propagation_rebuilt",
             func,
             reason="unchecked mismatch",
-            cause="a fake output's sizes, dtype or device differ from its real values",
+            cause="a fake output's sizes, dtype, device or strides differ from its real values",
             outputs="real",
         )
         return rebuilt
@@ -441,6 +505,8 @@ class Propagation:
         fakes made from its outputs; upstream's fake implementation, the second real run of its
         decomposition and the cross-check are skipped (issue 41). ``_NOT_FAST`` otherwise (then
         nothing ran)."""
+        if self._numbers_as_tensors(func) and not _has_fake(op, self._is_fake):
+            return _NOT_FAST  # upstream runs it on the real arguments: a constant if small
         reals = self._real_arguments(mode, op)
         if reals is _NOT_FAST:
             return _NOT_FAST
@@ -481,7 +547,11 @@ class Propagation:
             if not _convertible(mode, base):
                 return _NOT_FAST
             base = _convert(mode, base)
-        elif getattr(base, "fake_mode", None) is not mode or base.layout != torch.strided:
+        elif (
+            getattr(base, "fake_mode", None) is not mode
+            or base.layout != torch.strided
+            or getattr(base, "constant", None) is not None
+        ):
             return _NOT_FAST
         base_real = getattr(base, "real_tensor", None)
         if (
@@ -510,6 +580,71 @@ class Propagation:
         if trace.enabled(trace.DEBUG):
             trace.emit("propagation_fast", trace.DEBUG, op=str(func))
         return result
+
+    def _set_storage(self, mode: Any, func: Any, op: Any) -> Any:
+        """``fake.set_(storage, offset, size, stride)`` (and ``set_(source)``): upstream's real
+        run gets a meta storage (a fake's), or its fake side a real one, and either refuses.
+        The real tensor is set to the real storage and the fake to the meta one, each with the
+        same offset, sizes and strides; a real storage (``fake.set_(t.untyped_storage())``) is
+        converted first as an op input is (a copy of its values, or itself under write-back).
+        ``_NOT_FAST`` where the storage's values are not known (upstream's path then)."""
+        if self._in_kernel is None:
+            return _NOT_FAST
+        op_args, op_kwargs = op
+        names = ("self", "source", "storage_offset", "size", "stride")
+        params = dict(zip(names[: len(op_args)], op_args, strict=True))
+        params.update(op_kwargs)
+        t, source = params["self"], params["source"]
+        t_real = getattr(t, "real_tensor", None) if self._is_fake(t) else None
+        if t_real is None or getattr(t, "fake_mode", None) is not mode:
+            return _NOT_FAST
+        if isinstance(source, torch.Tensor):
+            fake = source if self._is_fake(source) else None
+        elif source.device.type == "meta":
+            # a fake's storage: the real storage it stands for (meta_utils' convention)
+            real_storage = _targets.real_storage_of(source)
+            if real_storage is None:
+                return _NOT_FAST
+            with self._r.no_dispatch():
+                meta = torch.empty(0, dtype=t.dtype, device="meta")
+                meta.set_(source)
+                base = torch.empty(0, dtype=t.dtype, device=real_storage.device)
+                base.set_(real_storage)
+            fake = self._from_meta(mode.fake_tensor_converter, mode, meta, t.device)
+            fake.real_tensor = base
+        else:
+            with self._r.no_dispatch():
+                base = torch.empty(0, dtype=t.dtype, device=source.device)
+                base.set_(source)
+            fake = _convert(mode, base)
+        real = getattr(fake, "real_tensor", None)
+        if fake is None or real is None or getattr(fake, "fake_mode", None) is not mode:
+            return _NOT_FAST
+        if "size" in params:
+            where = (params["storage_offset"], params["size"], params.get("stride") or [])
+        else:  # set_(storage) / set_(tensor): the whole storage, or the tensor's view of it
+            where = (
+                (0, [real.untyped_storage().nbytes() // real.element_size()], [1])
+                if not isinstance(source, torch.Tensor)
+                else (real.storage_offset(), list(real.shape), list(real.stride()))
+            )
+        with self._r.no_dispatch():
+            t_real.set_(real.untyped_storage(), *where)
+        with self._in_kernel(mode):
+            torch.ops.aten.set_.source_Storage_storage_offset(t, fake.untyped_storage(), *where)
+        self._report(
+            "set_storage", "propagation_rebuilt", func, reason="set_", cause="", outputs="fake"
+        )
+        return t
+
+    def _numbers_as_tensors(self, func: Any) -> bool:
+        """Does FakeTensorMode run ``func`` on all-real arguments itself (numbers bound to
+        tensors: ``torch.div(4, 4)``), making a small output a constant?"""
+        allowed = _NUMBERS.get(func)
+        if allowed is None:
+            check = self._allow_numbers
+            allowed = _NUMBERS[func] = bool(check is not None and check(func))
+        return allowed
 
     def _run(self, func: Any, reals: Any) -> Any:
         """The real kernel on the real arguments, as eager runs it where values may carry a
@@ -577,8 +712,12 @@ class Propagation:
         upstream must see (another mode's fake, no values, a subclass, not strided)."""
         if isinstance(value, torch.Tensor):
             if is_fake(value):
-                if getattr(value, "fake_mode", None) is not mode or value.layout != torch.strided:
-                    return _NOT_FAST
+                if (
+                    getattr(value, "fake_mode", None) is not mode
+                    or value.layout != torch.strided
+                    or getattr(value, "constant", None) is not None
+                ):
+                    return _NOT_FAST  # constants: upstream folds them and tracks their writes
                 fake = value
             else:
                 if not _convertible(mode, value):
@@ -625,16 +764,22 @@ class Propagation:
         ):
             raise _CannotRebuild
         with self._r.no_dispatch():
-            if real.storage_offset() == 0:
+            storage = real.untyped_storage()
+            nbytes = storage.nbytes()
+            if real.storage_offset() == 0 and nbytes == real.numel() * real.element_size():
                 meta = torch.empty_strided(
                     real.shape, real.stride(), dtype=real.dtype, device="meta"
                 )
             else:
-                meta = torch.empty(_extent(real), dtype=real.dtype, device="meta").as_strided(
+                # the fake's storage as large as the real one (a kernel that resizes its output
+                # down keeps the whole buffer: as_strided within it is valid in eager)
+                size = max(nbytes // real.element_size(), _extent(real))
+                meta = torch.empty(size, dtype=real.dtype, device="meta").as_strided(
                     real.shape, real.stride(), real.storage_offset()
                 )
             fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
             fake.real_tensor = real
+            _targets.set_real_storage(meta.untyped_storage(), storage)
         return fake
 
     # -- the fallback kernel -------------------------------------------------------------------
@@ -867,25 +1012,63 @@ def _kind(func: Any, mode: Any) -> str:
     return _OTHER
 
 
-_NO_PLAN: frozenset[str] = frozenset()
-#: op -> the names of the arguments it writes (plain values for its real run), or ``_NO_PLAN``
-#: (a view, an ``inplace_view`` op, ``set_``: their outputs alias the raw storage itself)
-_PLAIN_PLAN: dict[Any, frozenset[str]] = {}
+#: op -> does it alias its arguments' storage without writing their values (a view, an
+#: ``inplace_view`` op, ``set_``)? Their outputs must alias the raw storage itself.
+_ALIASING: dict[Any, bool] = {}
 
 
-def _plain_plan(func: Any) -> frozenset[str]:
-    schema = getattr(func, "_schema", None)
-    if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ()):
-        return _NO_PLAN
-    written = frozenset(
-        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
-    )
-    returns_alias = any(r.alias_info is not None for r in schema.returns)
-    if returns_alias and not written:
-        return _NO_PLAN  # a view
-    if schema.name.partition("::")[2].startswith("set_"):
-        return _NO_PLAN
-    return written or frozenset({""})
+def _aliasing(func: Any) -> bool:
+    aliasing = _ALIASING.get(func)
+    if aliasing is None:
+        schema = getattr(func, "_schema", None)
+        aliasing = (
+            schema is None
+            or torch.Tag.inplace_view in getattr(func, "tags", ())
+            or schema.name.partition("::")[2].startswith("set_")
+            or (any(r.alias_info is not None for r in schema.returns) and not _written_names(func))
+        )
+        _ALIASING[func] = aliasing
+    return aliasing
+
+
+_WRITTEN: dict[Any, frozenset[str]] = {}
+
+
+def _written_names(func: Any) -> frozenset[str]:
+    """The names of the arguments ``func``'s schema writes (not ``inplace_view`` ops: they
+    write metadata, which upstream's fake side already follows)."""
+    names = _WRITTEN.get(func)
+    if names is None:
+        schema = getattr(func, "_schema", None)
+        names = (
+            frozenset()
+            if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ())
+            else frozenset(
+                a.name
+                for a in schema.arguments
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+        )
+        _WRITTEN[func] = names
+    return names
+
+
+_SET_STORAGE = frozenset(
+    {
+        torch.ops.aten.set_.source_Storage,
+        torch.ops.aten.set_.source_Storage_storage_offset,
+        torch.ops.aten.set_.source_Tensor,
+        torch.ops.aten.set_.source_Tensor_storage_offset,
+    }
+)
+
+
+#: op -> does FakeTensorMode run it on all-real arguments itself (SHOULD_ALLOW_NUMBERS)
+_NUMBERS: dict[Any, bool] = {}
+
+
+def _has_fake(op: Any, is_fake: Any) -> bool:
+    return any(is_fake(t) for t in _flat_tensors((*op[0], *op[1].values())))
 
 
 _RANDOM: dict[Any, bool] = {}
@@ -1006,10 +1189,19 @@ def _false_mutation(exc: BaseException, func: Any, op: Any) -> bool:
 
 
 def _disagrees(t: Any) -> bool:
-    """A fake whose own real values have other sizes, dtype or device."""
+    """A fake whose own real values have other sizes, dtype, device or strides (the real
+    kernel's strides are eager's: a meta kernel's may differ, ``rrelu`` and training
+    ``batch_norm`` on a non-contiguous input)."""
     real = getattr(t, "real_tensor", None) if isinstance(t, torch.Tensor) else None
     return real is not None and (
-        t.shape != real.shape or t.dtype != real.dtype or t.device != real.device
+        t.shape != real.shape
+        or t.dtype != real.dtype
+        or t.device != real.device
+        or (
+            t.layout == torch.strided
+            and real.layout == torch.strided
+            and (t.stride() != real.stride() or t.storage_offset() != real.storage_offset())
+        )
     )
 
 

@@ -29,6 +29,9 @@ modes: dict[int, weakref.ref[Any]] = {}
 #: The subset of :data:`modes` without a ShapeEnv: users' modes, not PyTorch's tracers'.
 user_modes: dict[int, weakref.ref[Any]] = {}
 
+#: ``Site.original`` for an attribute the owner does not define itself (it inherits it): the
+#: wrapper is deleted again when no longer needed
+ABSENT: Any = object()
 #: the started sites (of the installation in force), told when a mode is seen or dies
 _started: list[Site] = []
 
@@ -146,7 +149,7 @@ class Site:
         if want == self._in_place:
             return None
         owner, attr = self._owner, self._attr
-        current = owner.__dict__.get(attr)
+        current = owner.__dict__.get(attr, ABSENT)
         if want:
             if current is not self.original and current is not self.wrapper:
                 return functools.partial(_rewrapped, owner, attr, self._lost, before=True)
@@ -159,7 +162,10 @@ class Site:
                 if self._closed:
                     return functools.partial(_rewrapped, owner, attr, self._lost, before=False)
                 return None  # somebody wrapped over ours: theirs stays; ours passes calls through
-            setattr(owner, attr, self.original)
+            if self.original is ABSENT:
+                delattr(owner, attr)  # inherited again (a base class's descriptor)
+            else:
+                setattr(owner, attr, self.original)
             self._in_place = False
             self.counts[1] += 1
             event = self._events[1] if self._events else None

@@ -470,6 +470,49 @@ def value_bit_tools() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
     return resolve(SET_CONJ), resolve(SET_NEG), resolve(IS_ZEROTENSOR)
 
 
+#: READ. The ``Tensor.data`` descriptor of torch's C tensor class. ``real.data = fake`` inside a
+#: propagating mode makes the real tensor's implementation a meta one (``set_data``: the real
+#: Parameter then reports device meta, and every later op on it fails or, outside the mode, is
+#: garbage). While a propagating user mode lives, ``torch.Tensor.data`` is a property of ours
+#: over this descriptor (sites.ABSENT: deleted again afterwards) whose setter gives the real
+#: tensor the fake's propagated values instead, as eager would give it the new tensor's.
+TENSOR_DATA = Target("torch._C", "TensorBase.data", "real.data = fake inside the mode")
+
+
+#: CALLED (READ of ``meta_converter.describer.lookup_tensor``). A converter's memo maps a real
+#: tensor to the fake it made; after ``real.data = ...`` that fake describes the old tensor, so
+#: the real tensor's entry is dropped (its next conversion makes a new fake). Same names on 2.4.0,
+#: 2.13.0, 2.14.1 and 2.15.0.
+def forget_conversion(converter: Any, t: Any) -> bool:
+    """Drop ``t`` from ``converter``'s memo; False where the memo is not readable."""
+    lookup = getattr(
+        getattr(getattr(converter, "meta_converter", None), "describer", None),
+        "lookup_tensor",
+        None,
+    )
+    if lookup is None:
+        return False
+    with contextlib.suppress(KeyError):
+        del lookup[t]
+    return True
+
+
+#: READ and WRITTEN: meta_utils' convention (2.4.0 ... 2.15.0): the meta storage of a fake the
+#: converter made in a propagating mode carries the real storage it stands for as its
+#: ``real_storage`` attribute. The fast path gives the storages of the fakes it makes the same
+#: attribute, so that ``fake.set_(other_fake.untyped_storage(), ...)`` finds the real storage.
+REAL_STORAGE_ATTR = "real_storage"
+
+
+def real_storage_of(meta_storage: Any) -> Any:
+    """The real storage a fake's meta storage stands for, or None."""
+    return getattr(meta_storage, REAL_STORAGE_ATTR, None)
+
+
+def set_real_storage(meta_storage: Any, real_storage: Any) -> None:
+    setattr(meta_storage, REAL_STORAGE_ATTR, real_storage)
+
+
 # Public, documented torch APIs we also rely on (listed for completeness; not private):
 # torch.autograd.graph.get_gradient_edge (>=2.2), Node.register_prehook, Node.next_functions,
 # AccumulateGrad.variable, Tensor._base, Tensor.retains_grad, Tensor._version.

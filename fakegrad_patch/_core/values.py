@@ -257,6 +257,11 @@ class Values:
                 reason = "stale"
         elif self._d2_applies(root, foreign):
             reason = "d2"  # upstream just made this copy, uninitialised on builds with D2
+        elif entry is not None and entry[2] != version:
+            # a buffer never synced here, and the source changed since its last sync: the
+            # converter's storage memo hands a new fake the copy of an earlier conversion (the
+            # fake that aliased the source under write-back died meanwhile)
+            reason = "stale"
         if reason is not None:
             self._copy_values(real, values, source, reason)
         table.set(root, (weakref.ref(fake_root), data, version))
@@ -285,6 +290,30 @@ class Values:
             fields = _leaves.leaf_fields(source)
             fields["bytes"] = nbytes
             trace.emit_fields(event, trace.INFO, fields, owned=True)
+
+    def refresh(self, t: Any) -> None:
+        """``t`` (real) was just updated for real by an op inside a propagating mode (all real
+        arguments: upstream runs it on ``t`` itself): every live fake whose values are a copy
+        of ``t`` gets its new values now, so views made of them earlier read what eager's
+        views of ``t`` read (they were re-synced only at ``t``'s next conversion)."""
+        if t.layout != torch.strided or t.device.type == "meta":
+            return
+        root = t._base if t._base is not None else t
+        version = t._version
+        ptr = root.untyped_storage().data_ptr()
+        for _conv, table in _records.items():
+            # (no version test: ADInplaceOrView bumps t's version after the kernel returns)
+            entry = table.get(root)
+            if entry is None or entry[0] is None:
+                continue
+            fake_root = entry[0]()
+            real = self._real_of(fake_root) if fake_root is not None else None
+            if real is None or real.layout != torch.strided:
+                continue
+            if real.untyped_storage().data_ptr() == ptr:
+                continue  # an alias of t (write-back): nothing to copy
+            self._copy_values(real, root, root, "stale")
+            table.set(root, (entry[0], real.untyped_storage().data_ptr(), version))
 
     # -- conversions the patch did not see -----------------------------------------------------
 

@@ -299,6 +299,11 @@ class WriteBack:
             self._copy_back(frame)
         if ok and frame.lost:
             self._report_lost(frame, func)
+        if ok and frame.direct:
+            # real tensors the op wrote for real: their copies follow
+            for t in frame.direct.values():
+                if id(t) not in frame.lost:
+                    self._applied.values.refresh(t)
 
     def _fake_written(self, frame: Frame, ptr: int, via: str) -> None:
         """A fake over storage ``ptr`` is written: when that is a real tensor's private copy,
