@@ -684,6 +684,32 @@ def t_index_inplace(g: Gen) -> tuple[str, str] | None:
     return "inplace:index_put_", f"{x}.index_put_(({idx},), torch.tensor(2.0), accumulate=True)"
 
 
+def t_strided_inplace(g: Gen) -> tuple[str, str] | None:
+    """In-place writes next to as_strided/expand views whose gradients then flow back: the
+    base written after an overlapping view of it was taken, or a write through a view."""
+    x = g.pick(lambda v: _fl(v) and v.requires_grad and v.numel() >= 4)
+    if x is None:
+        return None
+    o = g.fresh()
+    kind = g.choice(["overlap_then_base", "write_through", "expand_then_base", "diag_write"])
+    base = f"{o}_b = {x}.flatten()[:4].clone()\n"
+    if kind == "overlap_then_base":
+        return "strided:overlapping view, base written", (
+            base + f"{o} = {o}_b.as_strided((3, 2), (1, 1), 0)\n{o}_b.mul_(2)"
+        )
+    if kind == "write_through":
+        return "strided:write through as_strided", (
+            base + f"{o}_b.as_strided((2,), (2,), 0).mul_(3)\n{o} = {o}_b * 1"
+        )
+    if kind == "expand_then_base":
+        return "strided:expanded view, base written", (
+            base + f"{o} = {o}_b[:1].expand(3, 1)\n{o}_b.add_(1)"
+        )
+    return "strided:write through diagonal", (
+        f"{o}_b = {x}.flatten()[:4].clone().view(2, 2)\n{o}_b.diagonal().mul_(2)\n{o} = {o}_b + 0"
+    )
+
+
 def t_leaf_update(g: Gen) -> tuple[str, str] | None:
     """An in-place update of a leaf (or a view of one) under no_grad: the optimizer idiom."""
     x = g.pick(lambda v: _fl(v) and v.is_leaf and v.requires_grad and v.numel() > 0)
@@ -1024,6 +1050,8 @@ def t_create(g: Gen) -> tuple[str, str] | None:
         "linspace",
         "leaf",
         "scalar",
+        "one",
+        "one",
         "empty_shape",
     ]
     if x:
@@ -1047,6 +1075,9 @@ def t_create(g: Gen) -> tuple[str, str] | None:
         return "create:leaf", f"{o} = torch.ones(3, 4, requires_grad=True)"
     if kind == "scalar":
         return "create:0-dim", f"{o} = torch.tensor(2.5)"
+    if kind == "one":
+        # a one-element literal: FakeTensorMode tracks it as a constant
+        return "create:1-element", f"{o} = torch.tensor([{g.choice(['0.0', '0.5', '-1.5'])}])"
     if kind == "empty_shape":
         return "create:empty", f"{o} = torch.zeros(0, 4)"
     assert x is not None
@@ -1384,7 +1415,9 @@ def t_hook(g: Gen) -> tuple[str, str] | None:
         if x is None:
             return None
         return "hook:leaf(scale)", f"{x}.register_hook(lambda gr: gr * 0.5)"
-    x = g.pick(_nonleaf)
+    # torch itself (2.13, 2.14.1) crashes registering a hook on a view of a leaf written
+    # under no_grad, eagerly: no such views
+    x = g.pick(lambda v: _nonleaf(v) and not (v._is_view() and v._base.is_leaf))
     if x is None:
         return None
     if kind == "tensor_scale":
@@ -1460,6 +1493,7 @@ TEMPLATES: list[tuple[str, float, Template]] = [
     ("reduce", 2.0, t_reduce),
     ("inplace", 3.0, t_inplace),
     ("index-inplace", 1.0, t_index_inplace),
+    ("strided-inplace", 0.8, t_strided_inplace),
     ("leaf-update", 1.0, t_leaf_update),
     (".data", 0.5, t_data),
     ("out=", 1.5, t_out),
@@ -2274,10 +2308,14 @@ def run_isolated(
             row: dict[str, Any] = {
                 "seed": seed,
                 "setting": setting if setting != "generate" else "*",
-                "outcome": "crash",
+                # building the program and its eager run use no fake mode: a crash there is
+                # torch's own (counted apart, never the patch's)
+                "outcome": "crash" if setting != "generate" else "skip",
                 "step": step,
                 "op": op,
-                "why": ("hung" if hung else _signal_name(proc.returncode)) + f" in {inner}",
+                "why": ("eager run: " if setting == "generate" else "")
+                + ("hung" if hung else _signal_name(proc.returncode))
+                + f" in {inner}",
             }
             start(spec, (seed, setting))
             if confirm and not hung:
