@@ -20,7 +20,7 @@ UNPATCHED = os.environ.get("FAKEGRAD_TEST_UNPATCHED") == "1"
 #: Set by tests/test_can_fail.py: the patch installed with its propagation repairs off (issue 39),
 #: to prove the repairs' tests fail without them.
 DEFAULTS = fakegrad_patch.Settings(
-    propagation=os.environ.get("FAKEGRAD_TEST_PROPAGATION", "repair")  # type: ignore[arg-type]
+    propagation=os.environ.get("FAKEGRAD_TEST_PROPAGATION", "fast")  # type: ignore[arg-type]
 )
 
 

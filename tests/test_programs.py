@@ -467,3 +467,47 @@ def test_views_made_before_a_real_update_of_their_leaf_read_it(setting: str, upd
         return view * 1, other * 1, view, other
 
     assert_like_eager(program, lambda: (torch.nn.Parameter(torch.randn(3, 4)),))
+
+
+def test_a_write_through_a_tensor_set_to_a_real_storage_is_reported_or_written_back(
+    setting: str,
+) -> None:
+    """The real tensor over the storage that the conversion made died at once: the write
+    reached the copy, and nothing said so. Reported by default; written with write-back."""
+    from fakegrad_patch import trace
+
+    for buffers in ("upstream", "write_back"):
+        fakegrad_patch.configure(buffers=buffers)
+        buf = torch.zeros(3, 4)
+        with trace.capture("warning") as events, fake_mode():
+            t = torch.empty(0)
+            t.set_(buf.untyped_storage())
+            t.view(12, 1)[0] = 1.5
+        lost = [e for e in events if e["event"] == "update_lost"]
+        if buffers == "write_back":
+            assert buf[0, 0] == 1.5 and not lost
+        else:
+            assert buf[0, 0] == 0 and lost
+
+
+# -- metadata-changing ops on real tensors inside the mode ------------------------------------------
+
+METADATA_CHANGES: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    "resize_": lambda x, y: x.resize_(2, 3),
+    "t_": lambda x, y: x.t_(),
+    "squeeze_": lambda x, y: x.unsqueeze_(0).squeeze_(0),
+    "as_strided_": lambda x, y: x.as_strided_((2, 2), (1, 2)),
+    "fake_resize_as_real": lambda x, y: (x * 1).resize_as_(y),
+}
+
+
+@pytest.mark.parametrize("change", METADATA_CHANGES)
+def test_metadata_changes_of_real_tensors_are_eagers(setting: str, change: str) -> None:
+    """FakeTensorMode refuses every such op with a real tensor among its arguments ('Can't
+    call metadata mutating ops on non-Fake Tensor inputs'); eager changes the real tensor."""
+
+    def program(x: torch.Tensor, y: torch.Tensor) -> Any:
+        out = METADATA_CHANGES[change](x, y)
+        return out, x * 1, x
+
+    assert_like_eager(program, lambda: (torch.randn(3, 4), torch.randn(2, 2)))

@@ -261,6 +261,13 @@ class Propagation:
             result = self._set_storage(mode, func, op)
             if result is not _NOT_FAST:
                 return result
+        if self.repair and _mutates_metadata(func) and mode.allow_non_fake_inputs:
+            result = self._mutate_metadata(mode, func, op)
+            if isinstance(result, _Converted):  # upstream's, on the converted arguments
+                op = (result.args, result.kwargs)
+                args, kwargs = (args[0], args[1], result.args, result.kwargs), {}
+            elif result is not _NOT_FAST:
+                return result
         if self.fast:
             kind = _KIND.get(func)
             if kind is None:
@@ -617,6 +624,10 @@ class Propagation:
                 base = torch.empty(0, dtype=t.dtype, device=source.device)
                 base.set_(source)
             fake = _convert(mode, base)
+            # the real tensor over the storage lives as long as the fake set to it: updates
+            # that reach only the copy are reported against it (the write-back watch holds
+            # real tensors weakly)
+            t._fakegrad_storage_owner = base
         real = getattr(fake, "real_tensor", None)
         if fake is None or real is None or getattr(fake, "fake_mode", None) is not mode:
             return _NOT_FAST
@@ -636,6 +647,45 @@ class Propagation:
             "set_storage", "propagation_rebuilt", func, reason="set_", cause="", outputs="fake"
         )
         return t
+
+    def _mutate_metadata(self, mode: Any, func: Any, op: Any) -> Any:
+        """An op that changes its first argument's sizes or strides (``resize_``, ``t_``,
+        ``as_strided_``) with real tensors among its arguments: FakeTensorMode refuses every
+        one ('Can't call metadata mutating ops on non-Fake Tensor inputs'). Eager changes the
+        real tensor: every argument real, the op runs on them (every live converter forgets
+        its fake of the changed tensor); the first argument a fake, the others are converted
+        as op inputs are, for upstream's path (:class:`_Converted`). ``_NOT_FAST`` otherwise."""
+        op_args, op_kwargs = op
+        tensors = _flat_tensors((*op_args, *op_kwargs.values()))
+        is_fake = self._is_fake
+        if not tensors or not any(not is_fake(t) for t in tensors):
+            return _NOT_FAST  # all fake: upstream's
+        first = op_args[0] if op_args else None
+        if not isinstance(first, torch.Tensor):
+            return _NOT_FAST
+        if not any(is_fake(t) for t in tensors):
+            if not all(_convertible(mode, t) for t in tensors):
+                return _NOT_FAST
+            result = func(*op_args, **op_kwargs)
+            for ref in list(_sites.modes.values()):
+                live = ref()
+                converter = getattr(live, "fake_tensor_converter", None)
+                if converter is not None:
+                    _targets.forget_conversion(converter, first)
+            return result
+        if not is_fake(first) or getattr(first, "fake_mode", None) is not mode:
+            return _NOT_FAST
+
+        def convert(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and not is_fake(v) and _convertible(mode, v):
+                return _convert(mode, v)
+            return v
+
+        args = tuple(convert(v) for v in op_args)
+        kwargs = {k: convert(v) for k, v in op_kwargs.items()}
+        if any(isinstance(v, torch.Tensor) and not is_fake(v) for v in (*args, *kwargs.values())):
+            return _NOT_FAST
+        return _Converted(args, kwargs)
 
     def _numbers_as_tensors(self, func: Any) -> bool:
         """Does FakeTensorMode run ``func`` on all-real arguments itself (numbers bound to
@@ -1051,6 +1101,30 @@ def _written_names(func: Any) -> frozenset[str]:
         )
         _WRITTEN[func] = names
     return names
+
+
+class _Converted:
+    """An op's arguments with its real tensors converted (upstream's path takes them)."""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+
+_METADATA_MUTATING: dict[Any, bool] = {}
+
+
+def _mutates_metadata(func: Any) -> bool:
+    """``inplace_view`` ops (``t_``, ``as_strided_``, ``squeeze_``) and ``resize_``."""
+    mutates = _METADATA_MUTATING.get(func)
+    if mutates is None:
+        schema = getattr(func, "_schema", None)
+        mutates = _METADATA_MUTATING[func] = torch.Tag.inplace_view in getattr(
+            func, "tags", ()
+        ) or (schema is not None and schema.name in ("aten::resize_", "aten::resize_as_"))
+    return mutates
 
 
 _SET_STORAGE = frozenset(

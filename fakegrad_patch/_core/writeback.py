@@ -760,9 +760,13 @@ _VIEW_OPS: dict[Any, bool] = {}
 
 
 def _is_view_op(func: Any) -> bool:
+    """A view op, or ``set_`` (its output takes another tensor's storage)."""
     view = _VIEW_OPS.get(func)
     if view is None:
-        view = _VIEW_OPS[func] = bool(getattr(func, "is_view", False))
+        schema = getattr(func, "_schema", None)
+        view = _VIEW_OPS[func] = bool(getattr(func, "is_view", False)) or (
+            schema is not None and schema.name == "aten::set_"
+        )
     return view
 
 
