@@ -1415,9 +1415,9 @@ def t_hook(g: Gen) -> tuple[str, str] | None:
         if x is None:
             return None
         return "hook:leaf(scale)", f"{x}.register_hook(lambda gr: gr * 0.5)"
-    # torch itself (2.13, 2.14.1) crashes registering a hook on a view of a leaf written
-    # under no_grad, eagerly: no such views
-    x = g.pick(lambda v: _nonleaf(v) and not (v._is_view() and v._base.is_leaf))
+    # torch itself (2.13, 2.14.1) can crash registering a hook on a view whose base was
+    # written in place (a leaf's under no_grad: always; a clone's: sometimes), eagerly: no views
+    x = g.pick(lambda v: _nonleaf(v) and not v._is_view())
     if x is None:
         return None
     if kind == "tensor_scale":
@@ -2260,7 +2260,10 @@ def run_isolated(
     budget is spent (no program starts after it). An interpreter that dies is counted as a
     crash of the program it was running (run alone again in a fresh one to confirm, unless
     ``confirm`` is off), and its shard goes on after that program in a new interpreter."""
-    work = workdir or tempfile.mkdtemp(prefix="fuzz-")
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="fuzz-") as work:
+            return run_isolated(seeds, settings, workers, budget_s, seed_start, work, confirm)
+    work = workdir
     deadline = time.time() + budget_s if budget_s is not None else None
     if seeds is not None:
         specs = [",".join(map(str, seeds[i::workers])) for i in range(workers)]
