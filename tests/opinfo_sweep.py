@@ -1,22 +1,27 @@
 """PyTorch's own operator database as a test family (issue 39): every op of ``op_db`` that
 supports autograd, in float32 (and bfloat16 where the op supports it on the device), every
-sample (capped for time), eager gradients vs one patched propagating fake pass.
+sample (capped for time), eager gradients vs one patched propagating fake pass. Other dtypes on
+request (float64, complex64: the op must support the dtype's backward, else it is not run; a
+complex sample without a complex leaf is skipped).
 
 A sample is
 
-* ``exact``: every leaf's gradient equals eager's (real, same dtype and shape, float tolerance),
-  and the patch said nothing;
+* ``exact``: every leaf's gradient equals eager's (real, same dtype and shape, the dtype's
+  tolerance; complex gradients also with eager's conj/neg bits), and the patch said nothing;
 * ``reported``: the patch warned (``FakeGradPatchWarning``, with a warning-level trace event
   naming the op or the leaf) that a gradient is not eager's;
 * ``error``: the patched pass raised (upstream's exception, or the patch's, naming the op);
-* ``silent``: a gradient differs from eager's, or is fake, and nothing said so. The suite
-  requires none;
-* ``skip``: eager itself fails on the sample, or it has no leaf.
+* ``silent``: a gradient differs from eager's, or is fake, and nothing said so; in a complex
+  dtype also a differentiable output whose fake has other conj/neg bits than eager's output, or
+  whose propagated values (``real_tensor``) differ from eager's output in value or bits. The
+  suite requires none;
+* ``skip``: eager itself fails on the sample, or it has no leaf (no complex leaf, complex).
 
 A plain module (imported by tests/test_opinfo_sweep.py and run as a script):
 
     python tests/opinfo_sweep.py --json sweep.json --workers 2 [--device cpu]
-        [--plan float32:4,bfloat16:1] [--ops name,...] [--unpatched]
+        [--plan float32:4,bfloat16:1,float64:all,complex64:all] [--ops name,...]
+        [--propagation fast|repair|upstream] [--unpatched]
         [--update-expected tests/opinfo_expected.json]
 """
 
@@ -39,12 +44,20 @@ import torch._functorch.config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fakegrad_patch
-from fakegrad_patch import FakeGradPatchWarning, trace
+from fakegrad_patch import FakeGradPatchWarning, _config, trace
+from fakegrad_patch._config import DEFAULT_PROPAGATION, PROPAGATION_VALUES
 from fakegrad_patch._core import state as _state
 
 CATEGORIES = ("exact", "reported", "error", "silent", "skip")
-#: float tolerances (the same kernels run in both passes; decompositions may reorder sums)
-TOL = {torch.float32: (1.3e-6 * 10, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
+#: (rtol, atol) per dtype: torch.testing's defaults, rtol ten times looser for the floating
+#: ones (the same kernels run in both passes, but decompositions may reorder sums)
+TOL = {
+    torch.float32: (1.3e-6 * 10, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-2),
+    torch.float64: (1e-7 * 10, 1e-7),
+    torch.complex64: (1.3e-6 * 10, 1e-5),
+    torch.complex128: (1e-7 * 10, 1e-7),
+}
 
 
 @functools.cache
@@ -152,8 +165,10 @@ def _cotangents(outs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
     return cots
 
 
-def _run(op: Any, sample: Any, seed: int, fake: bool) -> list[Any]:
-    """One forward and backward; the leaves' ``.grad`` (None where none)."""
+def _run(op: Any, sample: Any, seed: int, fake: bool) -> tuple[list[Any], list[dict[str, Any]]]:
+    """One forward and backward: the leaves' ``.grad`` (None where none), and what the
+    differentiable outputs were (their conj/neg bits, and their real values: for a fake, the
+    values propagation gave it; None where it has none)."""
     inp, args, kwargs, leaves = _fresh(sample)
     ctx: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     torch.manual_seed(seed)
@@ -161,20 +176,42 @@ def _run(op: Any, sample: Any, seed: int, fake: bool) -> list[Any]:
         out = op(inp, *args, **kwargs)
         out = sample.output_process_fn_grad(out)
         outs = _differentiable(out)
+        seen = [
+            {
+                "conj": t.is_conj(),
+                "neg": t.is_neg(),
+                "values": getattr(t, "real_tensor", None) if fake else t.detach(),
+            }
+            for t in outs
+        ]
         if not outs:
-            return [None] * len(leaves)
+            return [None] * len(leaves), seen
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             cots = _cotangents(outs, seed)
         torch.autograd.backward(outs, cots)
-    return [leaf.grad for leaf in leaves]
+    return [leaf.grad for leaf in leaves], seen
 
 
 def _is_fake(t: Any) -> bool:
     return isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
 
 
+def _bits(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """A complex tensor's conjugate/negative bits against eager's. A bit that a fake or its real
+    values lost (or gained) is a metadata mismatch even where the values compare equal: real
+    kernels called under a dispatch mode ignore those bits, so the next op may compute with the
+    other sign."""
+    wrong = [
+        f"{name} bit {getattr(got, f'is_{name}')()} vs eager {getattr(want, f'is_{name}')()}"
+        for name in ("conj", "neg")
+        if getattr(got, f"is_{name}")() != getattr(want, f"is_{name}")()
+    ]
+    return ", ".join(wrong) or None
+
+
 def _differs(got: Any, want: Any) -> str | None:
-    """Why ``got`` (patched) is not ``want`` (eager); None when equal."""
+    """Why ``got`` (patched) is not ``want`` (eager); None when equal. Values are compared as
+    eager's values (lazy conj/neg bits resolved), then, for complex tensors, the bits."""
     if want is None:
         return None if got is None else "a gradient where eager has none"
     if got is None:
@@ -183,21 +220,35 @@ def _differs(got: Any, want: Any) -> str | None:
         return "a FakeTensor gradient"
     if got.dtype != want.dtype or got.shape != want.shape or got.layout != want.layout:
         return f"{got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}"
-    if want.layout != torch.strided:
-        got, want = got.to_dense(), want.to_dense()
-    rtol, atol = TOL.get(
-        want.dtype if not want.dtype.is_complex else torch.float32, TOL[torch.float32]
+    dense_got, dense_want = (
+        (got.to_dense(), want.to_dense()) if want.layout != torch.strided else (got, want)
     )
+    rtol, atol = TOL.get(want.dtype, TOL[torch.float32])
     try:
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+        torch.testing.assert_close(dense_got, dense_want, rtol=rtol, atol=atol, equal_nan=True)
     except AssertionError:
-        diff = (
-            (got.double() - want.double()).abs()
-            if not want.dtype.is_complex
-            else (got - want).abs()
-        )
+        # resolve_conj/neg: a lazy bit is part of the value (double() drops complex parts)
+        g = dense_got.resolve_conj().resolve_neg()
+        w = dense_want.resolve_conj().resolve_neg()
+        diff = (g.double() - w.double()).abs() if not w.dtype.is_complex else (g - w).abs()
         return f"max abs {float(torch.nan_to_num(diff, nan=float('inf')).max()):.3g}"
+    if want.dtype.is_complex and (bits := _bits(got, want)):
+        return f"{bits} (values equal)"
     return None
+
+
+def _output_differs(got: dict[str, Any], want: dict[str, Any]) -> str | None:
+    """Why a patched output (its fake's conj/neg bits, its propagated values and their bits) is
+    not eager's."""
+    wrong = [
+        f"the fake's {name} bit {got[name]} vs eager {want[name]}"
+        for name in ("conj", "neg")
+        if got[name] != want[name]
+    ]
+    # no propagated values: nothing to compare (the gradients tell whether that mattered)
+    if got["values"] is not None and (d := _differs(got["values"], want["values"])):
+        wrong.append(f"its real values: {d}")
+    return "; ".join(wrong) or None
 
 
 def _names(text: str, op: Any) -> bool:
@@ -206,14 +257,28 @@ def _names(text: str, op: Any) -> bool:
     return "aten." in text or "aten::" in text or op.name.split(".")[-1] in text
 
 
-def run_case(op: Any, index: int, sample: Any, device: str) -> dict[str, Any]:
-    """One sample, eager vs patched: its category and what was seen."""
+def _complex_leaf(sample: Any) -> bool:
+    return any(
+        t.requires_grad and t.dtype.is_complex
+        for t in _flat_tensors((sample.input, sample.args, dict(sample.kwargs)))
+    )
+
+
+def run_case(op: Any, index: int, sample: Any, device: str, dtype: Any = None) -> dict[str, Any]:
+    """One sample, eager vs patched: its category and what was seen. For a complex ``dtype``,
+    the differentiable outputs are compared too (the fakes' conj/neg bits against eager's, their
+    propagated values against eager's outputs): a wrong output is silent even where the
+    gradients happen to agree."""
     seed = _seed(op) + index
     row: dict[str, Any] = {"op": op_id(op), "sample": index}
+    complex_ = dtype is not None and dtype.is_complex
+    if complex_ and not _complex_leaf(sample):
+        row.update(category="skip", why="no complex leaf")
+        return row
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            want = _run(op, sample, seed, fake=False)
+            want, want_outs = _run(op, sample, seed, fake=False)
     except Exception as exc:
         row.update(category="skip", why=f"eager: {type(exc).__name__}")
         return row
@@ -228,7 +293,7 @@ def run_case(op: Any, index: int, sample: Any, device: str) -> dict[str, Any]:
     ):
         warnings.simplefilter("always")
         try:
-            got = _run(op, sample, seed, fake=True)
+            got, got_outs = _run(op, sample, seed, fake=True)
         except Exception as exc:
             lines = str(exc).strip().splitlines()
             notes = getattr(exc, "__notes__", None) or []
@@ -241,8 +306,19 @@ def run_case(op: Any, index: int, sample: Any, device: str) -> dict[str, Any]:
             return row
     warned = [str(w.message)[:300] for w in caught if issubclass(w.category, FakeGradPatchWarning)]
     differences = {
-        i: d for i, (g, w) in enumerate(zip(got, want, strict=True)) if (d := _differs(g, w))
+        f"leaf {i}": d
+        for i, (g, w) in enumerate(zip(got, want, strict=True))
+        if (d := _differs(g, w))
     }
+    if complex_:
+        if len(got_outs) != len(want_outs):
+            differences["outputs"] = f"{len(got_outs)} differentiable vs eager {len(want_outs)}"
+        else:
+            differences.update(
+                (f"output {i}", d)
+                for i, (g, w) in enumerate(zip(got_outs, want_outs, strict=True))
+                if (d := _output_differs(g, w))
+            )
     if warned:
         row.update(
             category="reported",
@@ -251,9 +327,7 @@ def run_case(op: Any, index: int, sample: Any, device: str) -> dict[str, Any]:
             differs=bool(differences),
         )
     elif differences:
-        row.update(
-            category="silent", why="; ".join(f"leaf {i}: {d}" for i, d in differences.items())
-        )
+        row.update(category="silent", why="; ".join(f"{k}: {d}" for k, d in differences.items()))
     else:
         row["category"] = "exact"
     return row
@@ -286,14 +360,22 @@ def sweep(
     patched: bool = True,
     after: str | None = None,
     out: Any = None,
+    propagation: str = DEFAULT_PROPAGATION,
 ) -> list[dict[str, Any]]:
     """Run the shard's cases in order (those after the case ``after``, when given); each row is
     also written to ``out`` (a text file) as one JSON line, flushed, with a ``{"start": key}``
-    line before each op, so a parent can tell which op crashed the interpreter."""
+    line before each op, so a parent can tell which op crashed the interpreter.
+
+    ``propagation`` is set explicitly (the library's default unless given): a
+    ``FAKEGRAD_PROPAGATION`` in the environment, or a caller's settings, must not choose the
+    path the sweep tests. Each row says which one ran (``unpatched`` without the patch)."""
     if patched:
         fakegrad_patch.install()
+        fakegrad_patch.configure(propagation=_config.validate_propagation(propagation))
+        ran = _config.current().propagation
     else:
         fakegrad_patch.uninstall()
+        ran = "unpatched"
     rows: list[dict[str, Any]] = []
     mine = [c for n, c in enumerate(_cases(device, plan, ops)) if n % shard[1] == shard[0]]
     if after is not None:
@@ -313,11 +395,12 @@ def sweep(
             made.append({"op": op_id(op), "sample": -1, "category": "skip", "why": f"{exc}"})
         for i, sample in enumerate(cases):
             start = time.perf_counter()
-            row = run_case(op, i, sample, device)
+            row = run_case(op, i, sample, device, dtype)
             row["seconds"] = round(time.perf_counter() - start, 4)
             made.append(row)
         for row in made:
             row["dtype"] = dtype_name
+            row["propagation"] = ran
         rows.extend(made)
         if out is not None:
             for row in made:
@@ -334,6 +417,7 @@ def run_isolated(
     patched: bool = True,
     workdir: str = ".",
     env: dict[str, str] | None = None,
+    propagation: str = DEFAULT_PROPAGATION,
 ) -> list[dict[str, Any]]:
     """The sweep in ``workers`` interpreters at once (shards of the case list); an op that kills
     its interpreter (upstream crashes on some sparse ops, patched or not) is recorded as an
@@ -352,6 +436,8 @@ def run_isolated(
             _plan_text(plan),
             "--shard",
             f"{i}/{workers}",
+            "--propagation",
+            propagation,
         ]
         if ops:
             cmd += ["--ops", ",".join(ops)]
@@ -408,6 +494,7 @@ def run_isolated(
                     "category": "error",
                     "why": f"the interpreter died (exit {proc.returncode})",
                     "names_op": False,
+                    "propagation": propagation if patched else "unpatched",
                 }
             )
             start(i, started)
@@ -473,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", default="0/1")
     parser.add_argument("--unpatched", action="store_true", help="upstream torch alone")
     parser.add_argument(
+        "--propagation",
+        choices=PROPAGATION_VALUES,
+        default=DEFAULT_PROPAGATION,
+        help=f"the patch's propagation setting (default: the library's, {DEFAULT_PROPAGATION})",
+    )
+    parser.add_argument(
         "--update-expected",
         metavar="FILE",
         help="write this build's exact counts per op into FILE (tests/opinfo_expected.json)",
@@ -484,18 +577,21 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if ns.jsonl:
         with open(ns.jsonl, "w") as out:
-            sweep(ns.device, plan, ops, (i, n), not ns.unpatched, ns.after, out)
+            sweep(ns.device, plan, ops, (i, n), not ns.unpatched, ns.after, out, ns.propagation)
         return 0
     if ns.workers:
         workdir = os.path.dirname(os.path.abspath(ns.json or "."))
-        rows = run_isolated(ns.device, plan, ops, ns.workers, not ns.unpatched, workdir)
+        rows = run_isolated(
+            ns.device, plan, ops, ns.workers, not ns.unpatched, workdir, propagation=ns.propagation
+        )
     else:
-        rows = sweep(ns.device, plan, ops, (i, n), not ns.unpatched)
+        rows = sweep(ns.device, plan, ops, (i, n), not ns.unpatched, propagation=ns.propagation)
     result = {
         "torch": torch.__version__,
         "device": ns.device,
         "plan": _plan_text(plan),
         "patched": not ns.unpatched,
+        "propagation": ns.propagation if not ns.unpatched else None,
         "seconds": round(time.perf_counter() - start, 1),
         "summary": summary(rows),
         "rows": rows,

@@ -210,7 +210,56 @@ COMPLEX_PROGRAMS: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     "conj_physical_": lambda a, b: a.clone().conj_physical_() * b,
     "abs_of_a_conj": lambda a, b: a.conj().abs() * b,
     "conj_of_a_real_input": lambda a, b: b.detach().conj() * a,
+    "lu_solve_from_the_right": lambda a, b: torch.linalg.lu_solve(
+        *torch.linalg.lu_factor(a.reshape(2, 2) + 3 * torch.eye(2)), b.reshape(2, 2), left=False
+    ),
+    "lu_solve_adjoint_from_the_right": lambda a, b: torch.linalg.lu_solve(
+        *torch.linalg.lu_factor(a.reshape(2, 2) + 3 * torch.eye(2)),
+        b.reshape(2, 2),
+        left=False,
+        adjoint=True,
+    ),
+    "inverse_of_an_empty_batch": lambda a, b: torch.linalg.inv(a[:0].reshape(0, 2, 2)) * b.sum(),
+    "conj_of_a_one_element_leaf": lambda a, b: a[:1].conj() * 1,
+    "conj_of_a_zero_dim_leaf": lambda a, b: a[0].conj() * 1,
 }
+
+
+def test_a_real_conjugate_tensor_that_is_not_a_view_reads_as_in_eager(setting: str) -> None:
+    """The converter copies such a tensor's values (copy_ resolves the bit) and gives only the
+    fake the bit; read with the fake's bit, the values were conjugated twice."""
+    a = torch.randn(2, 2, dtype=torch.complex64) + 3 * torch.eye(2)
+    b = torch.randn(2, 2, dtype=torch.complex64)
+    solved = torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b, left=False)
+    assert solved.is_conj() and solved._base is None  # a kernel's conj output, not a view
+
+    def program(x: torch.Tensor) -> Any:
+        return solved * x, solved + 0, solved.t() * 1
+
+    assert_like_eager(program, lambda: (torch.randn(2, 2, dtype=torch.complex64),))
+
+
+def _real_cotangent(out: torch.Tensor) -> torch.Tensor:
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        return torch.full(out.shape, 1 - 2j, dtype=out.dtype)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (3,)], ids=str)
+def test_a_conj_gradient_given_a_real_cotangent_keeps_its_bit(
+    setting: str, shape: tuple[int, ...]
+) -> None:
+    """``x.conj() * 1`` backward with a real complex cotangent: a small gradient becomes an
+    upstream constant, whose fake keeps the conjugate bit of ``conj``'s backward while its
+    values do not: the leaf got the conjugate of eager's gradient."""
+
+    def program(x: torch.Tensor) -> Any:
+        out = x.conj() * 1
+        out.backward(_real_cotangent(out))
+        return out
+
+    assert_like_eager(
+        program, lambda: (torch.randn(shape, dtype=torch.complex64).requires_grad_(),)
+    )
 
 
 def _complex_leaves() -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,7 +539,7 @@ def test_a_write_through_a_tensor_set_to_a_real_storage_is_reported_or_written_b
             assert buf[0, 0] == 0 and lost
 
 
-# -- metadata-changing ops on real tensors inside the mode ------------------------------------------
+# -- metadata-changing ops on real tensors inside the mode -----------------------------------------
 
 METADATA_CHANGES: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     "resize_": lambda x, y: x.resize_(2, 3),

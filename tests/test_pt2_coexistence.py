@@ -21,6 +21,11 @@ unpatched interpreters of a group run in parallel. A crash (signal) is charged t
 hit and the group goes on in a new interpreter. ``PT2_COEXIST_ISOLATE=1`` runs every program in its
 own interpreters (exact attribution of once-per-process work such as probes; slower).
 ``PT2_COEXIST_BUFFERS=write_back`` runs both with the opt-in ``buffers="write_back"`` on.
+
+The groups of ``WRITE_BACK_GROUPS`` (optimizer steps under torch.compile) also run in a third
+interpreter, patched with ``FAKEGRAD_BUFFERS=write_back`` (the opt-in puts more of the patch in
+place: ``FakeTensorMode.dispatch`` wrapped, write-back's optimizer hook), compared with the same
+unpatched records (``test_same_behaviour_with_write_back``).
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ def _load_programs() -> Any:
 
 PROGRAMS: dict[str, tuple[str, Any]] = _load_programs().PROGRAMS
 NAMES = list(PROGRAMS)
+#: Groups also run patched with ``buffers="write_back"`` (see the module's docstring): its
+#: global optimizer step post-hook, registered for the whole installation, was called where
+#: dynamo traces ``Optimizer.step`` (a graph break in the hooks' loop: one frame fewer compiled).
+WRITE_BACK_GROUPS = frozenset({"optimizer_hooks"})
+WRITE_BACK_NAMES = [n for n in NAMES if PROGRAMS[n][0] in WRITE_BACK_GROUPS]
 
 
 def _env(cache_dir: str, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -135,31 +145,44 @@ def _run_mode(
 
 
 class _Runs:
-    """Each group runs once per session, patched and unpatched in parallel."""
+    """Each group runs once per session, patched and unpatched in parallel (and patched with
+    write-back on, for ``WRITE_BACK_GROUPS``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._write_back: dict[str, dict[str, Any]] = {}
 
-    def get(self, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    def get(self, name: str, *, write_back: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(patched, unpatched)`` records of ``name``; ``write_back``: the patched record of
+        the interpreter with ``FAKEGRAD_BUFFERS=write_back``."""
         with self._lock:
             if name not in self._done:
                 group = PROGRAMS[name][0]
                 names = [n for n in NAMES if PROGRAMS[n][0] == group]
-                with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                    patched = pool.submit(_run_mode, "patched", names)
-                    unpatched = pool.submit(_run_mode, "unpatched", names)
-                    p, u = patched.result(), unpatched.result()
+                runs = {"patched": ("patched", None), "unpatched": ("unpatched", None)}
+                if group in WRITE_BACK_GROUPS:
+                    runs["write_back"] = ("patched", {"FAKEGRAD_BUFFERS": "write_back"})
+                with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+                    futures = {
+                        key: pool.submit(_run_mode, mode, names, env)
+                        for key, (mode, env) in runs.items()
+                    }
+                    records = {key: future.result() for key, future in futures.items()}
+                p, u = records["patched"], records["unpatched"]
                 for n in names:
                     self._done[n] = (p[n], u[n])
+                    if "write_back" in records:
+                        self._write_back[n] = records["write_back"][n]
                 if DUMP:
-                    _dump(pathlib.Path(DUMP), group, p, u)
-            return self._done[name]
+                    _dump(pathlib.Path(DUMP), group, records)
+            patched, unpatched = self._done[name]
+            return (self._write_back[name] if write_back else patched), unpatched
 
 
-def _dump(where: pathlib.Path, group: str, *records: dict[str, Any]) -> None:
+def _dump(where: pathlib.Path, group: str, records: dict[str, dict[str, Any]]) -> None:
     where.mkdir(parents=True, exist_ok=True)
-    for mode, record in zip(("patched", "unpatched"), records, strict=True):
+    for mode, record in records.items():
         (where / f"{group}.{mode}.json").write_text(json.dumps(record, indent=1, sort_keys=True))
 
 
@@ -214,7 +237,20 @@ def _warnings(line: dict[str, Any]) -> list[str]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_same_behaviour(runs: _Runs, name: str) -> None:
-    patched, unpatched = runs.get(name)
+    _same_behaviour(name, *runs.get(name))
+
+
+@pytest.mark.parametrize("name", WRITE_BACK_NAMES)
+def test_same_behaviour_with_write_back(runs: _Runs, name: str) -> None:
+    """With ``buffers="write_back"`` on for the whole process (``FAKEGRAD_BUFFERS``) and no
+    propagating mode, tracers still see upstream's PyTorch: the same frames compiled."""
+    patched, unpatched = runs.get(name, write_back=True)
+    if "crash" not in patched and "status_after" in patched:
+        assert patched["status_after"]["write_back"], "write-back was not on in that run"
+    _same_behaviour(name, patched, unpatched)
+
+
+def _same_behaviour(name: str, patched: dict[str, Any], unpatched: dict[str, Any]) -> None:
     _baseline(unpatched)
     if "crash" in patched:
         pytest.fail(f"crashed with fakegrad_patch: {patched['crash']}\n{patched['stderr_tail']}")

@@ -14,6 +14,7 @@ tests/test_can_fail.py runs this file that way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -634,3 +635,115 @@ def test_the_environment_variable_turns_it_on_at_import() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == ["write_back", True, True]
+
+
+def test_the_optimizer_hook_is_registered_only_from_the_first_propagating_mode_on() -> None:
+    """Write-back's global optimizer step post-hook is torch's to call in every step, and
+    TorchDynamo calls it where it traces one (a function of ours there was a graph break:
+    tests/test_pt2_coexistence.py, ``optimizer_hooks``). On for a whole process, it is
+    registered only once a propagating user mode lives, still makes state born in the mode
+    real, stays when the mode dies (a garbage-collected mode must not change the dict torch may
+    be iterating) and goes with write-back."""
+    code = textwrap.dedent(
+        """
+        import gc, json, torch, fakegrad_patch
+        import torch._functorch.config as config
+        from torch.optim import optimizer as optim_module
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+        hooks = optim_module._global_optimizer_post_hooks
+        seen = {"enabled": fakegrad_patch.status()["write_back"], "at_import": len(hooks)}
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        (p * 2).sum().backward()
+        opt.step()  # real, no mode: nothing of ours in the loop
+        seen["after_real_step"] = len(hooks)
+        with config.patch(fake_tensor_propagate_real_tensors=True):
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+        seen["mode_built"] = len(hooks)
+        q = torch.nn.Parameter(torch.ones(3))
+        opt2 = torch.optim.SGD([q], lr=0.1, momentum=0.9)
+        with mode:
+            (q * 2).sum().backward()
+            opt2.step()  # the momentum buffer is born fake: made real
+        buf = opt2.state[q]["momentum_buffer"]
+        seen["state_real"] = not isinstance(buf, FakeTensor) and buf.tolist() == [2.0] * 3
+        del mode
+        gc.collect()
+        seen["mode_dead"] = len(hooks)
+        fakegrad_patch.configure(buffers="upstream")
+        seen["write_back_off"] = len(hooks)
+        fakegrad_patch.configure(buffers="write_back")
+        seen["on_again_no_mode"] = len(hooks)
+        with config.patch(fake_tensor_propagate_real_tensors=True):
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+        seen["second_mode"] = len(hooks)
+        fakegrad_patch.uninstall()
+        seen["uninstalled"] = len(hooks)
+        print(json.dumps(seen))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")}
+    env["FAKEGRAD_BUFFERS"] = "write_back"
+    env["PYTHONWARNINGS"] = "ignore"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == {
+        "enabled": True,
+        "at_import": 0,
+        "after_real_step": 0,
+        "mode_built": 1,
+        "state_real": True,
+        "mode_dead": 1,
+        "write_back_off": 0,
+        "on_again_no_mode": 0,
+        "second_mode": 1,
+        "uninstalled": 0,
+    }
+
+
+def _scaled_steps(fake: bool) -> tuple[Any, list[float], list[str]]:
+    """A GradScaler first used inside the mode (its scale and growth tracker are born there),
+    two steps (the second overflows: the scale halves), then a real step after the mode."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+    x = torch.ones(2, 3)
+
+    def step(overflow: bool = False) -> None:
+        loss = model(x).sum() * (float("inf") if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    with trace.capture(trace.WARNING) as events:
+        with fake_mode() if fake else contextlib.nullcontext():
+            step()
+            step(overflow=True)
+        step()
+    return (
+        scaler,
+        model.weight.detach().flatten().tolist(),
+        [(e["event"], e.get("op")) for e in events],
+    )
+
+
+@pytest.mark.usefixtures("propagate")
+def test_a_grad_scaler_first_used_inside_the_mode_gets_real_state(write_back: None) -> None:
+    """Its scale was created by ``torch.full`` inside the mode: a FakeTensor the scaler kept for
+    every later step, inside the mode or not, without a word."""
+    scaler, weights, events = _scaled_steps(fake=True)
+    reference, expected, _ = _scaled_steps(fake=False)
+    assert type(scaler._scale) is torch.Tensor and type(scaler._growth_tracker) is torch.Tensor
+    assert scaler.get_scale() == reference.get_scale()
+    assert weights == expected and not events
+
+
+@pytest.mark.usefixtures("propagate", "quiet")
+def test_a_grad_scaler_first_used_inside_the_mode_is_reported_without_write_back() -> None:
+    _, _, events = _scaled_steps(fake=True)
+    assert ("update_lost", "GradScaler._scale") in events

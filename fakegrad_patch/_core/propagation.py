@@ -132,6 +132,9 @@ class Propagation:
                             lost="`real.data = fake` inside the mode makes the tensor a meta one",
                         )
                     )
+                scaler = self._wb.scaler_site()
+                if scaler is not None:
+                    sites.append(scaler)
                 module = self._r.fake_tensor_module
                 fallback = module.__dict__.get("run_fallback_kernel")
                 if fallback_ok and self._can_read_frames and callable(fallback):
@@ -284,12 +287,18 @@ class Propagation:
             _needs_value_keys(op[0]) or (op[1] and _needs_value_keys(op[1].values()))
         ):
             return self._upstream(wrapped, args, kwargs, mode, func, op)
-        # complex values, or bits: upstream's real run reads plain values, and runs (as its
-        # fake side's nested ops do) with the Conjugate, Negative and ZeroTensor keys on
+        # complex values, or bits: upstream's real run reads plain values; an op that makes
+        # new tensors runs (as its fake side's nested ops do) with the Conjugate, Negative and
+        # ZeroTensor keys on (a composite kernel's own conj views: linalg.pinv). Not views or
+        # writes: their fake side under those keys' fallbacks fails MathBitsFallback's
+        # same-output assert (an empty conj view in linalg.inv's backward)
         plain = self._plain_values(mode, func, op)
         ok = False
         try:
-            with self._r.value_keys():
+            if _fresh_outputs(func):
+                with self._r.value_keys():
+                    result = self._upstream(wrapped, args, kwargs, mode, func, op)
+            else:
                 result = self._upstream(wrapped, args, kwargs, mode, func, op)
             ok = True
             return result
@@ -382,6 +391,7 @@ class Propagation:
                 else ()
             )
             for t in tensors:
+                fake: Any
                 if is_fake(t):
                     if getattr(t, "fake_mode", None) is not mode:
                         continue
@@ -602,9 +612,11 @@ class Propagation:
         params = dict(zip(names[: len(op_args)], op_args, strict=True))
         params.update(op_kwargs)
         t, source = params["self"], params["source"]
+        converter = mode.fake_tensor_converter
         t_real = getattr(t, "real_tensor", None) if self._is_fake(t) else None
         if t_real is None or getattr(t, "fake_mode", None) is not mode:
             return _NOT_FAST
+        fake: Any
         if isinstance(source, torch.Tensor):
             fake = source if self._is_fake(source) else None
         elif source.device.type == "meta":
@@ -617,7 +629,10 @@ class Propagation:
                 meta.set_(source)
                 base = torch.empty(0, dtype=t.dtype, device=real_storage.device)
                 base.set_(real_storage)
-            fake = self._from_meta(mode.fake_tensor_converter, mode, meta, t.device)
+            made = self._from_meta
+            if made is None:
+                return _NOT_FAST
+            fake = made(converter, mode, meta, t.device)
             fake.real_tensor = base
         else:
             with self._r.no_dispatch():
@@ -809,7 +824,7 @@ class Propagation:
             self._from_meta is None
             or type(real) is not torch.Tensor
             or real.layout != torch.strided
-            or _lazy_bits(real)
+            or _is_zero(real)
             or self._is_fake(real)
         ):
             raise _CannotRebuild
@@ -828,6 +843,9 @@ class Propagation:
                     real.shape, real.stride(), real.storage_offset()
                 )
             fake = self._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
+            if real.is_conj() or real.is_neg():  # eager's output is a conj/neg view: so is the fake
+                _set_conj(fake, real.is_conj())
+                _set_neg(fake, real.is_neg())
             fake.real_tensor = real
             _targets.set_real_storage(meta.untyped_storage(), storage)
         return fake

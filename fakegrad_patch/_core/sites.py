@@ -6,7 +6,9 @@ a process whose propagating modes are gone runs torch's own functions at torch's
 Two sites exist: ``torch.autograd.backward`` (_arming: needed while any propagating mode
 lives) and ``FakeTensorMode.dispatch`` (_writeback: needed while a propagating *user* mode,
 one without a ShapeEnv, lives, or while ``buffers="write_back"`` is on). A plain fake mode, a
-tracer's, then pays nothing per op.
+tracer's, then pays nothing per op. A :class:`HookSite` registers a global hook of torch the
+same way, from the first propagating user mode on: write-back's optimizer step post-hook, which
+TorchDynamo would otherwise meet in every ``Optimizer.step`` it traces.
 
 Modes are registered when they are built (the ``FakeTensorMode.__init__`` wrapper) or when they
 convert a real tensor, and held weakly: a mode's death (a weak reference callback, possibly run
@@ -33,7 +35,7 @@ user_modes: dict[int, weakref.ref[Any]] = {}
 #: wrapper is deleted again when no longer needed
 ABSENT: Any = object()
 #: the started sites (of the installation in force), told when a mode is seen or dies
-_started: list[Site] = []
+_started: list[_Follower] = []
 
 
 def need_mode(mode: Any) -> None:
@@ -59,34 +61,14 @@ def _mode_died(key: int, ref: Any) -> None:
         site.changed(quiet=True)
 
 
-class Site:
-    """Puts ``wrapper`` in place of ``owner.<attr>`` only while it is needed, and torch's own
-    object (``original``) back when it no longer is.
+class _Follower:
+    """Something of the patch that is in place only while it is needed: while a mode of
+    ``registry`` lives or a policy is set (:meth:`set_policy`); :meth:`_settle` says what in
+    place means. Thread-safe: any thread may change the need, a mode's death included: the
+    change is recorded at once and applied by whoever holds the lock, never waiting for it."""
 
-    Needed while a mode of ``registry`` lives or a policy is set (:meth:`set_policy`).
-    Thread-safe: any thread may change the need, a mode's death included: the change is
-    recorded at once and applied by whoever holds the lock, never waiting for it. ``events``:
-    the (installed, removed) trace event names, or None for none; ``lost``: what stops working
-    when somebody else replaced the attribute (the warning says it)."""
-
-    def __init__(
-        self,
-        owner: Any,
-        attr: str,
-        wrapper: Any,
-        original: Any,
-        *,
-        registry: dict[int, Any] = modes,
-        events: tuple[str, str] | None = None,
-        lost: str = "",
-    ) -> None:
-        self._owner = owner
-        self._attr = attr
-        self.wrapper = wrapper
-        self.original = original
+    def __init__(self, *, registry: dict[int, Any] = modes) -> None:
         self._registry = registry
-        self._events = events
-        self._lost = lost
         self._policy = False
         self._closed = False
         self._in_place = False
@@ -117,8 +99,8 @@ class Site:
             self.changed()
 
     def close(self) -> bool:
-        """For ``uninstall()``: torch's object back for good. Returns False when somebody
-        wrapped over ours (theirs is left in place; ours passes calls through)."""
+        """For ``uninstall()``: torch's own back for good. Returns False when a :class:`Site`
+        finds somebody wrapped over ours (theirs is left in place; ours passes calls through)."""
         self._closed = True
         self.changed()
         if self in _started:
@@ -143,8 +125,39 @@ class Site:
                 report()  # after releasing: a trace event or a warning may import (issue 40)
 
     def _settle(self, quiet: bool) -> Any:
-        """Put the wrapper or torch's object in place as needed; returns what to report (a
+        """Put in place or take away as needed, under the lock; returns what to report (a
         callable: run it without the lock), or None."""
+        raise NotImplementedError
+
+
+class Site(_Follower):
+    """Puts ``wrapper`` in place of ``owner.<attr>`` only while it is needed, and torch's own
+    object (``original``) back when it no longer is.
+
+    Needed while a mode of ``registry`` lives or a policy is set (:meth:`set_policy`).
+    ``events``: the (installed, removed) trace event names, or None for none; ``lost``: what
+    stops working when somebody else replaced the attribute (the warning says it)."""
+
+    def __init__(
+        self,
+        owner: Any,
+        attr: str,
+        wrapper: Any,
+        original: Any,
+        *,
+        registry: dict[int, Any] = modes,
+        events: tuple[str, str] | None = None,
+        lost: str = "",
+    ) -> None:
+        super().__init__(registry=registry)
+        self._owner = owner
+        self._attr = attr
+        self.wrapper = wrapper
+        self.original = original
+        self._events = events
+        self._lost = lost
+
+    def _settle(self, quiet: bool) -> Any:
         want = not self._closed and (self._policy or bool(self._registry))
         if want == self._in_place:
             return None
@@ -177,6 +190,38 @@ class Site:
                 modes=len(self._registry),
                 explicit_policy=self._policy,
             )
+        return None
+
+
+class HookSite(_Follower):
+    """Registers ``hook`` with torch (``register(hook)``, a handle with ``remove()``) from the
+    first propagating user mode seen on (one alive at :meth:`start` included) until
+    :meth:`close`; never while none has lived.
+
+    Not removed when the last such mode dies: a mode's death may come from the garbage
+    collector while torch iterates over the very dict of hooks (``Optimizer.step`` calling its
+    post-hooks), and removing an entry there raises in the user's step. Registering happens
+    where a mode is built or first converts a real tensor, as ``enable()`` itself did."""
+
+    def __init__(self, register: Any, hook: Any) -> None:
+        super().__init__(registry=user_modes)
+        self._register = register
+        self.hook = hook
+        self._handle: Any = None
+
+    def _settle(self, quiet: bool) -> Any:
+        want = not self._closed and (self._in_place or bool(self._registry))
+        if want == self._in_place:
+            return None
+        if want:
+            self._handle = self._register(self.hook)
+            self._in_place = True
+            self.counts[0] += 1
+        else:
+            handle, self._handle = self._handle, None
+            handle.remove()
+            self._in_place = False
+            self.counts[1] += 1
         return None
 
 

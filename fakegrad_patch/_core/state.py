@@ -54,4 +54,4 @@ def op_ran_for_real(resolved: Any) -> bool | None:
     ``targets._make_op_ran_for_real``)? False during the fast path's conversions."""
     if getattr(converting, "fast", False):
         return False
-    return resolved.op_ran_for_real()  # type: ignore[no-any-return]
+    return resolved.op_ran_for_real()

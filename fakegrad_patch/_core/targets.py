@@ -237,7 +237,11 @@ DESCRIBED_TENSORS = Target(
 #: breaks, and on 2.13 a broken resume function). Called for ``fakegrad_patch`` and ``wrapt``
 #: (its import finder runs for every import once a post-import hook is registered) when
 #: ``torch._dynamo`` is imported (a wrapt post-import hook; the patch never imports it). Same
-#: name on 2.13.0, 2.14.1 and 2.15.0.
+#: name on 2.13.0, 2.14.1 and 2.15.0. Skipped is not invisible: a function of ours that code
+#: dynamo traces *calls* is a graph break there ("Attempted to call function marked as
+#: skipped"; in a loop the whole frame runs uncompiled). So nothing of ours is registered where
+#: traced code calls it (a global hook of torch) unless a propagating user mode needs it:
+#: write-back's optimizer step post-hook (_core/writeback.py; seen on 2.4.0, 2.13.0, 2.14.1).
 DYNAMO_SKIP = Target(
     "torch._dynamo.trace_rules",
     "add",
@@ -586,6 +590,8 @@ class Resolved:
     ordinary_dispatch: Callable[[], Any]
     #: the caller's dispatch state with the Conjugate, Negative and ZeroTensor keys enabled
     value_keys: Callable[[], Any]
+    #: ``set_bits(t, conj, neg)``: a tensor's conjugate and negative bits (SET_CONJ, SET_NEG)
+    set_bits: Callable[[Any, bool, bool], None]
     op_ran_for_real: Callable[[], bool | None]
     dispatching_op: Callable[[], tuple[Any, Any, Any] | None]
     torch_is_tracing: Callable[[], bool]
@@ -616,6 +622,7 @@ def resolve_all() -> Resolved:
         grad_accumulator=_make_grad_accumulator_getter(),
         ordinary_dispatch=_make_ordinary_dispatch(),
         value_keys=_make_value_keys(),
+        set_bits=_make_set_bits(),
         op_ran_for_real=_make_op_ran_for_real(module.FakeTensorMode),
         dispatching_op=_make_dispatching_op(module.FakeTensorMode),
         tensor_use_count=resolve(TENSOR_USE_COUNT),
@@ -718,9 +725,32 @@ def _make_real_of(fake_cls: type) -> Callable[[Any], Any]:
     (issue 27: once per materialized gradient); anything else asks the helper where the build
     has one (C++ fakes), else the attribute."""
     helper = _resolve_optional(MAYBE_GET_REAL_TENSOR)
-    if helper is None:
-        return lambda x: getattr(x, "real_tensor", None)
-    return lambda x: x.real_tensor if type(x) is fake_cls else helper(x)  # type: ignore[attr-defined]
+    set_conj, set_neg = resolve(SET_CONJ), resolve(SET_NEG)
+    no_dispatch = resolve(NO_DISPATCH)
+
+    def read(x: Any) -> Any:
+        if type(x) is fake_cls or helper is None:
+            real = getattr(x, "real_tensor", None)
+        else:
+            real = helper(x)
+        if real is not None and (x.is_conj() != real.is_conj() or x.is_neg() != real.is_neg()):
+            # the fake's own conjugate/negative bits say how to read its raw values (the
+            # converter's convention; a constant's conj of a 0-d tensor): an alias with them
+            if real.layout != _strided():
+                return real  # no alias to read it through (sparse): upstream's values
+            with no_dispatch():  # a mode may be on the stack (a backward's pre-hook)
+                real = real.view(real.shape)
+            set_conj(real, x.is_conj())
+            set_neg(real, x.is_neg())
+        return real
+
+    return read
+
+
+def _strided() -> Any:
+    import torch
+
+    return torch.strided
 
 
 def _make_grad_accumulator_getter() -> Callable[[Any], Any]:
@@ -804,6 +834,16 @@ def _make_value_keys() -> Callable[[], Any]:
         return guard(include_set(), exclude)
 
     return value_keys
+
+
+def _make_set_bits() -> Callable[[Any, bool, bool], None]:
+    set_conj, set_neg = resolve(SET_CONJ), resolve(SET_NEG)
+
+    def set_bits(t: Any, conj: bool, neg: bool) -> None:
+        set_conj(t, conj)
+        set_neg(t, neg)
+
+    return set_bits
 
 
 def _make_op_ran_for_real(mode_cls: type) -> Callable[[], bool | None]:

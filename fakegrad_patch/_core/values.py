@@ -173,6 +173,8 @@ class Values:
                 _made.set(conv, made)
 
     def _propagating(self, conv: Any, mode: Any, t: Any, fake: Any, op_input: bool) -> None:
+        if (fake.is_conj() or fake.is_neg()) and not self._is_fake(t) and t._base is None:
+            self._bits_on_values(fake, t)
         write_back = self._write_back
         if not write_back.observing:
             write_back.observe()  # first need: in-place updates of real tensors are watched
@@ -205,6 +207,23 @@ class Values:
             table = WeakIdTable()
             _records.set(conv, table)
         return table
+
+    def _bits_on_values(self, fake: Any, t: Any) -> None:
+        """A conjugate or negative tensor that is not a view (a kernel's output): the converter
+        copies its values (``copy_`` resolves the bit) and gives only the fake the bit. The
+        propagated values get the bit too, over a copy of the raw values, so a fake's values
+        are always read with its own bits (as for views, whose copy is the raw storage)."""
+        real = getattr(fake, "real_tensor", None)
+        if real is None or real.layout != torch.strided or t.layout != torch.strided:
+            return
+        if real.is_conj() == fake.is_conj() and real.is_neg() == fake.is_neg():
+            return
+        with self._r.no_dispatch(), torch.no_grad():
+            copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            self._r.set_bits(copy, t.is_conj(), t.is_neg())
+            with self._r.value_keys():
+                copy.copy_(t)
+            fake.real_tensor = copy
 
     def _record_seen(self, conv: Any, t: Any, fake: Any, real: Any) -> None:
         """Record ``conv``'s conversion of ``t`` as seen, without syncing anything (values that

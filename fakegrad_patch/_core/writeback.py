@@ -31,7 +31,10 @@ mode applies to it for real happens to the real tensor, as in eager mode. Exactl
 Every write-back is traced (``buffer_written_back``, with bytes). Turning write-back off (or
 ``uninstall()``) gives every aliased fake a private copy again. ``dispatch`` is wrapped only
 while a propagating user mode lives or write-back is on (a :class:`_sites.Site`): with no such
-mode, nothing here runs and ``dispatch`` is torch's own function.
+mode, nothing here runs and ``dispatch`` is torch's own function. The global optimizer step
+post-hook that makes optimizer state born inside the mode real is registered only from the
+first propagating user mode on (a :class:`_sites.HookSite`): a process that never builds one,
+torch.compile included, keeps torch's hooks as they were.
 
 Registries: WeakIdTables (O(1), never keeping a tensor alive) and a per-thread frame stack.
 """
@@ -46,6 +49,7 @@ import torch
 
 from .. import trace
 from . import leaves as _leaves
+from . import sites as _sites
 from . import state as _state
 from .state import warn_once
 from .weak import WeakIdTable
@@ -175,7 +179,16 @@ class WriteBack:
             if self.enabled:
                 return True
             self.enabled = True
-            self._step_hook = register(self._after_optimizer_step) if register else None
+            # Registered from the first propagating user mode on, not now: TorchDynamo calls
+            # every global step post-hook where it traces an optimizer step, and a function of
+            # ours (on its skip list) there is a graph break inside the hooks' loop, which fails
+            # the whole frame (one frame fewer compiled under compiled autograd with optimizers
+            # stepped in post-accumulate-grad hooks). Optimizer state is only born fake inside
+            # such a mode, which is seen (built or converting) before that step's post-hooks run.
+            site = _sites.HookSite(register, self._after_optimizer_step) if register else None
+            self._step_hook = site
+        if site is not None:
+            site.start()  # outside our lock: registers now where a propagating user mode lives
         self._dispatcher.set_policy(True)  # wrapped while write-back is on, modes or not
         if trace.enabled(trace.INFO):
             trace.emit("write_back_enabled", trace.INFO)
@@ -196,7 +209,7 @@ class WriteBack:
         if self._dispatcher is not None:
             self._dispatcher.set_policy(False)
         if hook is not None:
-            hook.remove()
+            hook.close()
         count = sum(self._unalias(fake, real) for fake, real in aliased)
         if trace.enabled(trace.INFO):
             trace.emit("write_back_disabled", trace.INFO, unaliased=count)
@@ -621,6 +634,84 @@ class WriteBack:
                         )
         except Exception as exc:  # never break the host's training step
             self._applied.internal_error("write_back", exc)
+
+    # -- GradScaler state created inside the mode ----------------------------------------------
+
+    def scaler_site(self) -> _sites.Site | None:
+        """A :class:`_sites.Site` for ``torch.amp.GradScaler.update`` (in place while a
+        propagating user mode lives), or None where the class is absent."""
+        import wrapt
+
+        try:
+            from torch.amp.grad_scaler import GradScaler
+        except ImportError:
+            return None
+        original = GradScaler.__dict__.get("update")
+        if not callable(original):
+            return None
+        return _sites.Site(
+            GradScaler,
+            "update",
+            wrapt.FunctionWrapper(original, self._after_scaler_update),
+            original,
+            registry=_sites.user_modes,
+            lost="a GradScaler whose state is created inside the mode keeps FakeTensors",
+        )
+
+    def _after_scaler_update(self, wrapped: Any, scaler: Any, args: Any, kwargs: Any) -> Any:
+        """``GradScaler.update``: a scaler first used inside a propagating mode created its
+        scale and growth tracker there (``torch.full`` in ``scale()``): FakeTensors, which the
+        scaler keeps for every later step, inside the mode or not. With write-back their
+        propagated values become real tensors (``optimizer_state_materialized``, key
+        ``GradScaler._scale``); otherwise the first is reported with the fix."""
+        result = wrapped(*args, **kwargs)
+        try:
+            for key in ("_scale", "_growth_tracker"):
+                value = getattr(scaler, key, None)
+                if value is None or not self._is_fake(value):
+                    continue
+                mode = getattr(value, "fake_mode", None)
+                if not getattr(mode, "propagate_real_tensors", False):
+                    continue
+                real = value.real_tensor
+                if not self.enabled or real is None:
+                    report_fake_state(f"GradScaler.{key}", value, real)
+                    continue
+                with self._r.no_dispatch(), torch.no_grad():
+                    made = _private_copy(real)
+                setattr(scaler, key, made)
+                if trace.enabled(trace.INFO):
+                    trace.emit(
+                        "optimizer_state_materialized",
+                        trace.INFO,
+                        **_leaves.leaf_fields(made),
+                        key=f"GradScaler.{key}",
+                        bytes=real.numel() * real.element_size(),
+                    )
+        except Exception as exc:  # never break the host's training step
+            self._applied.internal_error("write_back", exc)
+        return result
+
+
+def report_fake_state(what: str, fake: Any, real: Any) -> None:
+    """State an object keeps for later steps (a GradScaler's scale) was created inside a
+    propagating mode: a FakeTensor. One ``update_lost`` event (warning), one warning per
+    process."""
+    _Lost.count += 1
+    fix = (
+        "buffers='write_back' makes such state real after the step; or create it outside the "
+        "mode (one `scaler.scale(loss)` before the `with FakeTensorMode(...)` block)"
+    )
+    if trace.enabled(trace.WARNING):
+        fields = _leaves.leaf_fields(real if real is not None else fake)
+        fields.update(kind="tensor", op=what, bytes=0, fix=fix, via="created inside the mode")
+        trace.emit_fields("update_lost", trace.WARNING, fields)
+    warn_once(
+        "fake_state",
+        f"fakegrad_patch: {what} was created inside a propagating FakeTensorMode and is a "
+        "FakeTensor, which every later step (inside the mode or not) goes on using. "
+        f"Fix: {fix}. Traced as `update_lost`.",
+    )
 
 
 def _step_hook_registrar() -> Any:

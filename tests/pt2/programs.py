@@ -105,11 +105,13 @@ def describe(value: Any) -> Any:
 
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+#: ``id()`` in dynamo's guard text (``___check_obj_id(self, 140253102929552)``)
+_OBJ_ID = re.compile(r"(___check_obj_id\([^,()]*, )\d+")
 
 
 def normalize_text(text: str) -> str:
     """Object addresses differ from process to process; nothing else in a message should."""
-    return _ADDRESS.sub("0x?", text)
+    return _OBJ_ID.sub(r"\1?", _ADDRESS.sub("0x?", text))
 
 
 def exception_record(exc: BaseException) -> dict[str, str]:
@@ -178,6 +180,63 @@ class Recorder:
             }
             for group, c in sorted(counters.items(), key=lambda kv: str(kv[0]))
             if c
+        }
+
+    @contextlib.contextmanager
+    def dynamo_frames(self, key: str) -> Iterator[None]:
+        """What dynamo did with each frame of the block, by the frame's code name: compiled
+        (once per compiled version, so a recompile counts again), why it recompiled, and every
+        frame it let run uncompiled for a reason of its own (no ops traced, an error suppressed,
+        a graph break in a loop). The frames it skips as library code (its skip list, or no
+        tensor in the frame) and sympy's and mpmath's frames (the symbolic-shape code under
+        compiled autograd: torch itself varies their number from run to run, generators refused
+        included, see :meth:`counters`) are left out. Read from
+        dynamo's bookkeeping (``orig_code_map``, ``guard_failures``) and its debug log line
+        ``skipping: NAME (reason: ..., file: ...)``: the same on 2.4.0, 2.13.0 and 2.14.1."""
+        import logging
+
+        from torch._dynamo import utils
+
+        skipped: dict[str, int] = {}
+        # its skip list (2.4.0 says "in skipfiles"), no tensor in the frame
+        library = ("frame is in the Dynamo skipfiles list", "in skipfiles", "no tensor-related")
+        noisy = re.compile(r"[/\\](sympy|mpmath)[/\\]")
+
+        class Skips(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                args = record.args if isinstance(record.args, tuple) else ()
+                if not str(record.msg).startswith("skipping: ") or len(args) < 3:
+                    return
+                name, reason, file = (str(a) for a in args[:3])
+                reason = normalize_text(reason.split("\n")[0])
+                if not reason.startswith(library) and not noisy.search(file):
+                    skipped[f"{name}: {reason}"] = skipped.get(f"{name}: {reason}", 0) + 1
+
+        logger = logging.getLogger("torch._dynamo.convert_frame")
+        handler, level, propagate = Skips(logging.DEBUG), logger.level, logger.propagate
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False  # torch's own handlers print nothing more than before
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+        origs = getattr(getattr(utils, "orig_code_map", None), "values", None)
+        failures = getattr(utils, "guard_failures", None)
+        compiled: dict[str, int] = {}
+        for code in origs.values() if isinstance(origs, dict) else ():
+            compiled[code.co_name] = compiled.get(code.co_name, 0) + 1
+        self.record[key] = {
+            "compiled": dict(sorted(compiled.items())) if isinstance(origs, dict) else None,
+            "recompiles": None
+            if not isinstance(failures, dict)
+            else {
+                code.co_name: [normalize_text(str(r)) for r in reasons]
+                for code, reasons in sorted(failures.items(), key=lambda kv: kv[0].co_name)
+            },
+            "run_uncompiled": dict(sorted(skipped.items())),
         }
 
     def result(self) -> dict[str, Any]:
@@ -431,13 +490,14 @@ def compile_checkpoint(rec: Recorder) -> None:
     rec.counters("counters")
 
 
-def _optimizer_in_backward(model: nn.Module) -> None:
-    """One SGD per parameter, stepped by a post-accumulate-grad hook (the torchtune pattern)."""
+def _hooked_optimizers(model: nn.Module, make: Callable[[nn.Parameter], Any]) -> dict[Any, Any]:
+    """One optimizer per parameter, stepped and zeroed by the parameter's post-accumulate-grad
+    hook."""
     need(
         hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
         "Tensor.register_post_accumulate_grad_hook is missing",
     )
-    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    optimizers = {p: make(p) for p in model.parameters()}
 
     def hook(p: torch.Tensor) -> None:
         optimizers[p].step()
@@ -445,6 +505,12 @@ def _optimizer_in_backward(model: nn.Module) -> None:
 
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(hook)
+    return optimizers
+
+
+def _optimizer_in_backward(model: nn.Module) -> None:
+    """One SGD per parameter, stepped by a post-accumulate-grad hook (the torchtune pattern)."""
+    _hooked_optimizers(model, lambda p: torch.optim.SGD([p], lr=0.1))
 
 
 @program("compile")
@@ -622,6 +688,54 @@ def compiled_autograd_config_optimizer_in_backward(rec: Recorder) -> None:
             rec(f"step{i}.loss", compiled(inputs()))
             rec.module(f"step{i}", model)
     rec.counters("counters", frames=False)  # upstream varies them here (see Recorder.counters)
+
+
+# ---------------------------------------------------------------------------------------------
+# compiled autograd with per-parameter optimizers stepped in post-accumulate-grad hooks: the
+# frames dynamo compiles must be the same with the patch (with buffers="write_back" its global
+# optimizer step post-hook failed the resume frame of Optimizer.step's wrapper: one frame fewer)
+
+
+def _compiled_autograd_hooked_step(rec: Recorder, make: Callable[[nn.Parameter], Any]) -> None:
+    """A compiled training step whose ``backward()`` compiled autograd captures
+    (``torch._dynamo.config.compiled_autograd``), each parameter's optimizer stepped in its
+    hook; two steps (the second runs what the first compiled, or recompiles). One Linear: each
+    hook is a graph break and recompiles per parameter shape, keep them few. Backend ``eager``:
+    the frames are dynamo's alone."""
+    need_compiled_autograd_config()
+    import torch._dynamo.config as dynamo_config
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizers = _hooked_optimizers(model, make)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    with rec.dynamo_frames("dynamo_frames"), dynamo_config.patch(compiled_autograd=True):
+        compiled = torch.compile(step, backend=recording_backend(rec, "eager"))
+        for i in range(2):
+            rec(f"step{i}.loss", compiled(inputs()))
+            rec.module(f"step{i}", model)
+    rec("optimizer_state", [o.state_dict()["state"] for o in optimizers.values()])
+    rec.counters("counters", frames=False)  # upstream varies them here (see Recorder.counters)
+
+
+@program("optimizer_hooks")
+def compiled_autograd_hooks_sgd(rec: Recorder) -> None:
+    _compiled_autograd_hooked_step(rec, lambda p: torch.optim.SGD([p], lr=0.1))
+
+
+@program("optimizer_hooks")
+def compiled_autograd_hooks_adam(rec: Recorder) -> None:
+    _compiled_autograd_hooked_step(rec, lambda p: torch.optim.Adam([p], lr=0.01, foreach=False))
+
+
+@program("optimizer_hooks")
+def compiled_autograd_hooks_adam_foreach(rec: Recorder) -> None:
+    _compiled_autograd_hooked_step(rec, lambda p: torch.optim.Adam([p], lr=0.01, foreach=True))
 
 
 # ---------------------------------------------------------------------------------------------
