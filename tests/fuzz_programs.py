@@ -31,7 +31,7 @@ goes on in a new one after the program that was running, and that program is run
 in a fresh interpreter to confirm it (``alone`` in its row).
 
     python tests/fuzz_programs.py --budget-s 60 --setting fast,repair --json out.json
-        [--seed-start N] [--count N] [--workers 2] [--confirm]
+        [--seed-start N] [--count N] [--workers 2] [--no-confirm]
     python tests/fuzz_programs.py --seed N --setting fast --show   # the program as Python
     python tests/fuzz_programs.py --seed N --setting fast,repair   # run one, print the outcome
 """
