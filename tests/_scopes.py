@@ -39,8 +39,9 @@ BUILD_INDEPENDENT = frozenset(
 #: coexistence, inductor compiles), upstream's defects with the patch removed (can_fail), the
 #: registries' cost at 6,000 tensors (scale), the benchmark smoke run (benchmarks run on the
 #: local builds), the CUDA command's dry run (it collects this build's CUDA tests and
-#: benchmark rows; GPU runs use a local build too) and PyTorch's own test_fake_tensor.py at the
-#: build's tag with and without the patch. ``FAKEGRAD_TEST_SCOPE=deps`` deselects them:
+#: benchmark rows; GPU runs use a local build too), PyTorch's own test_fake_tensor.py at the
+#: build's tag with and without the patch, the operator sweep and the random-program fuzzer
+#: (eager vs patched on this build). ``FAKEGRAD_TEST_SCOPE=deps`` deselects them:
 #: the ``lowest`` env, whose torch
 #: (2.15.0) is newest's, only changes wrapt and structlog, which these files do not exercise
 #: beyond what every other file does; newest runs them on that build.
@@ -53,6 +54,7 @@ BUILD_BOUND = frozenset(
         "test_cuda_check.py",
         "test_opinfo_sweep.py",
         "test_upstream_fake_tensor.py",
+        "test_fuzz.py",
     }
 )
 SCOPES = {"all": frozenset(), "build": BUILD_INDEPENDENT, "deps": BUILD_BOUND}
