@@ -560,3 +560,40 @@ def test_metadata_changes_of_real_tensors_are_eagers(setting: str, change: str) 
         return out, x * 1, x
 
     assert_like_eager(program, lambda: (torch.randn(3, 4), torch.randn(2, 2)))
+
+
+# -- constants written in place --------------------------------------------------------------------
+
+CONSTANT_WRITES: dict[str, Callable[[], torch.Tensor]] = {
+    "literal_zeroed": lambda: torch.tensor([2.5]).zero_(),
+    "literal_through_a_view": lambda: (lambda u: (u.view(1).add_(1.0), u)[1])(torch.tensor([2.5])),
+    "zero_dim_literal_iadd": lambda: (lambda v: v.add_(1.5))(torch.tensor(2.5)),
+    "op_on_a_literal_then_fill_": lambda: (torch.tensor([2.0]).abs() + 0.5).reciprocal().fill_(3),
+    "clamp_of_a_literal_then_mul_": lambda: torch.tensor([2.0]).clamp(0, 1).mul_(4),
+}
+
+
+@pytest.mark.parametrize("write", CONSTANT_WRITES)
+def test_a_constant_written_in_place_reads_the_write(setting: str, write: str) -> None:
+    """FakeTensorMode folds ops on constants (one-element literals) on the ``constant`` copy and
+    never updates the propagated one: ``torch.tensor([2.5]).zero_()`` read 2.5 (upstream too)."""
+
+    def program(x: torch.Tensor) -> Any:
+        out = CONSTANT_WRITES[write]()
+        return out, out * x
+
+    assert_like_eager(program, lambda: (torch.ones(1),))
+
+
+@pytest.mark.parametrize("shape", [(), (3,)], ids=str)
+def test_a_view_of_a_zero_dim_leaf_follows_its_real_update(setting: str, shape: Any) -> None:
+    """The fast path's view outlives the fake of the leaf it was made of; the leaf's copy was
+    refreshed through that fake only, so the view read the old value."""
+
+    def program(p: torch.Tensor) -> Any:
+        v = p.view(-1)
+        with torch.no_grad():
+            p.add_(0.5)
+        return v * 1, v
+
+    assert_like_eager(program, lambda: (torch.ones(shape, requires_grad=True),))

@@ -79,6 +79,43 @@ def records() -> Any:
     return _records.items()
 
 
+#: real root -> {data pointer: weak reference to the storage} of the propagated copies made of it
+#: (the storages live while any fake or view over them does)
+_copies: WeakIdTable[dict[int, Any]] = WeakIdTable()
+
+
+def _note_copy(root: Any, real: Any) -> None:
+    storage = real.untyped_storage()
+    data = storage.data_ptr()
+    copies = _copies.get(root)
+    if copies is None:
+        copies = {}
+        _copies.set(root, copies)
+    ref = copies.get(data)
+    if ref is None or ref() is None:
+        copies[data] = weakref.ref(storage)
+
+
+def _values_are_the_constant(fake: Any) -> None:
+    """A constant (``torch.tensor([2.5])``, what FakeTensorMode folds from constants) keeps two
+    copies of its values: ``constant``, which upstream's constant folding updates (an in-place
+    op on a constant runs on it), and the propagated copy, which it never updates (``t.zero_()``
+    left 2.5 for every later read). The propagated values become the constant itself (the mode
+    owns it: upstream cloned it), so both always agree; views of constants alias as theirs do."""
+    constant = getattr(fake, "constant", None)
+    real = getattr(fake, "real_tensor", None)
+    if (
+        constant is not None
+        and real is not None
+        and type(constant) is torch.Tensor
+        and constant.layout == torch.strided
+        and constant.shape == real.shape
+        and constant.dtype == real.dtype
+        and constant.device == real.device
+    ):
+        fake.real_tensor = constant
+
+
 class Values:
     """One installation's converter wrapper."""
 
@@ -116,6 +153,8 @@ class Values:
             return fake
         try:
             if getattr(mode, "propagate_real_tensors", False):
+                if kwargs.get("make_constant"):
+                    _values_are_the_constant(fake)
                 self._applied.backward_site.need_mode(mode)
                 t = args[1] if len(args) > 1 else kwargs["t"]
                 if kwargs and (
@@ -284,6 +323,8 @@ class Values:
         if reason is not None:
             self._copy_values(real, values, source, reason)
         table.set(root, (weakref.ref(fake_root), data, version))
+        if not foreign:
+            _note_copy(root, real)
 
     def _d2_applies(self, root: Any, foreign: bool) -> bool:
         if foreign:
@@ -318,21 +359,31 @@ class Values:
         if t.layout != torch.strided or t.device.type == "meta":
             return
         root = t._base if t._base is not None else t
-        version = t._version
-        ptr = root.untyped_storage().data_ptr()
+        copies = _copies.get(root)
+        if not copies:
+            return
+        source = root.untyped_storage()
+        ptr = source.data_ptr()
+        # (no version test: ADInplaceOrView bumps t's version after the kernel returns.) The
+        # copies' storages, not their fakes: a fast-path view outlives the fake it was made of
+        for data, ref in list(copies.items()):
+            storage = ref()
+            if storage is None:
+                del copies[data]
+                continue
+            if data == ptr or storage.nbytes() != source.nbytes():
+                continue  # an alias of t (write-back), or a layout of its own
+            with self._r.no_dispatch(), torch.no_grad():
+                storage.copy_(source)
+            if trace.enabled(trace.INFO):
+                fields = _leaves.leaf_fields(root)
+                fields["bytes"] = source.nbytes()
+                trace.emit_fields("propagated_values_resynced", trace.INFO, fields, owned=True)
+        version = root._version
         for _conv, table in _records.items():
-            # (no version test: ADInplaceOrView bumps t's version after the kernel returns)
             entry = table.get(root)
-            if entry is None or entry[0] is None:
-                continue
-            fake_root = entry[0]()
-            real = self._real_of(fake_root) if fake_root is not None else None
-            if real is None or real.layout != torch.strided:
-                continue
-            if real.untyped_storage().data_ptr() == ptr:
-                continue  # an alias of t (write-back): nothing to copy
-            self._copy_values(real, root, root, "stale")
-            table.set(root, (entry[0], real.untyped_storage().data_ptr(), version))
+            if entry is not None and entry[0] is not None and entry[1] != ptr:
+                table.set(root, (entry[0], entry[1], version))
 
     # -- conversions the patch did not see -----------------------------------------------------
 
