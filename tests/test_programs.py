@@ -11,6 +11,7 @@ regression tests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -597,3 +598,33 @@ def test_a_view_of_a_zero_dim_leaf_follows_its_real_update(setting: str, shape: 
         return v * 1, v
 
     assert_like_eager(program, lambda: (torch.ones(shape, requires_grad=True),))
+
+
+# -- tolist() -------------------------------------------------------------------------------------
+
+
+def _sibling_of_a_written_unbind_output(x: torch.Tensor) -> Any:
+    outs = x.unbind(1)
+    with torch.no_grad():
+        outs[1].div_(2.0)
+    return outs[2].tolist()
+
+
+TOLISTS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "two_dims": lambda x: (x * 2).tolist(),
+    "zero_dims": lambda x: x.sum().tolist(),
+    "a_sibling_of_an_unbind_output_written_in_place": _sibling_of_a_written_unbind_output,
+}
+
+
+@pytest.mark.parametrize("read", TOLISTS)
+def test_tolist_reads_the_values_as_eager(setting: str, read: str) -> None:
+    """FakeTensor.tolist iterates the fake (unbind: autograd refused a multi-output view whose
+    sibling was written, where eager reads), and 2.4's had none ('NYI for higher dims')."""
+    lists = []
+    for fake in (False, True):
+        torch.manual_seed(0)
+        x = torch.randn(4, 3, requires_grad=True)
+        with fake_mode() if fake else contextlib.nullcontext():
+            lists.append(TOLISTS[read](x))
+    assert lists[0] == lists[1]

@@ -135,6 +135,17 @@ class Propagation:
                 scaler = self._wb.scaler_site()
                 if scaler is not None:
                     sites.append(scaler)
+                fake_cls = self._r.fake_tensor_cls
+                sites.append(
+                    _sites.Site(
+                        fake_cls,
+                        "tolist",
+                        self._make_tolist(fake_cls.__dict__.get("tolist", _sites.ABSENT)),
+                        fake_cls.__dict__.get("tolist", _sites.ABSENT),
+                        registry=_sites.user_modes,
+                        lost="tolist() of a fake keeps upstream's answer",
+                    )
+                )
                 module = self._r.fake_tensor_module
                 fallback = module.__dict__.get("run_fallback_kernel")
                 if fallback_ok and self._can_read_frames and callable(fallback):
@@ -160,6 +171,33 @@ class Propagation:
             if self._sites is sites:
                 self.observing = True
         return True
+
+    def _make_tolist(self, original: Any) -> Any:
+        """``FakeTensor.tolist`` in a propagating user mode: the propagated values' list, as
+        ``.item()`` answers each element from the real kernel. Upstream's iterates the fake
+        (``unbind``: an autograd view check eager does not make, 'Output 2 of Unbind is a view
+        and its base ... has been modified inplace'), or on 2.4 has none ('NYI for higher dims')."""
+        fallback = torch.Tensor.tolist if original is _sites.ABSENT else original
+        real_of = self._r.real_of
+        no_dispatch = self._r.no_dispatch
+        propagation = self
+
+        def tolist(fake: Any) -> Any:
+            mode = getattr(fake, "fake_mode", None)
+            if (
+                propagation.repair
+                and propagation.observing
+                and getattr(mode, "propagate_real_tensors", False)
+                and getattr(mode, "shape_env", None) is None
+                and fake.layout == torch.strided
+            ):
+                real = real_of(fake)
+                if real is not None:
+                    with no_dispatch():
+                        return real.tolist()
+            return fallback(fake)
+
+        return tolist
 
     def set_policy(self, explicit: bool) -> None:
         """Wrapped whether or not a mode lives (write-back on)."""
