@@ -12,6 +12,7 @@ regression tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import subprocess
 import sys
@@ -270,9 +271,29 @@ def _complex_leaves() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+@functools.cache
+def _upstream_refuses_complex_scalars() -> str | None:
+    """2.4's propagation runs ``aten._conj`` of a complex Python scalar (the backward of
+    ``tensor * complex``) on the scalar itself and raises; the patch leaves that error to
+    upstream (it names the op). The message, where the build raises it; None otherwise."""
+    before = fakegrad_patch.settings().propagation
+    fakegrad_patch.configure(propagation="upstream")
+    try:
+        a = torch.ones(2, dtype=torch.complex64, requires_grad=True)
+        with fake_mode():
+            (a * complex(1, 2)).abs().sum().backward()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    finally:
+        fakegrad_patch.configure(propagation=before)
+    return None
+
+
 @pytest.mark.parametrize("name", COMPLEX_PROGRAMS)
 def test_complex_programs_follow_eager(setting: str, name: str) -> None:
     fn = COMPLEX_PROGRAMS[name]
+    if name == "item_of_a_conj" and _upstream_refuses_complex_scalars():
+        pytest.skip(f"upstream raises itself on this build: {_upstream_refuses_complex_scalars()}")
 
     def program(a: torch.Tensor, b: torch.Tensor) -> Any:
         out = fn(a, b)

@@ -246,7 +246,7 @@ class Propagation:
             self._applied.internal_error("dispatch", exc)
             return wrapped(*args, **kwargs)
         if frame is None:
-            frame = Frame(mode, (op_args, op_kwargs))
+            frame = Frame(mode, (op_args, op_kwargs), func)
             if written:
                 self._guarded(wb.enter, frame, written)
             stack.append(frame)
@@ -254,6 +254,8 @@ class Propagation:
             result = None
             try:
                 result = self._call(wrapped, args, kwargs, mode, func, frame.op)
+                if frame.real_out is not None and frame.real_out is not _targets.NO_REAL_OUT:
+                    result = self._values_of_the_real_run(mode, func, result, frame.real_out)
                 ok = True
                 return result
             except Exception as exc:
@@ -272,6 +274,10 @@ class Propagation:
                 self._guarded(wb.nested_write, frame, func, written, op_args, op_kwargs)
                 if self.repair or wb.enabled:  # write-back needs it whatever the setting
                     self._guarded(self._shadow, frame, func, written, op_args, op_kwargs)
+            if frame.depth == 1 and frame.real_out is None and self.repair and _random(frame.func):
+                # a random op decomposed: its real output, before the nested ops run (2.4's
+                # decomposition path returns their values, drawn in another pattern: rrelu)
+                frame.real_out = _targets.running_real_out(mode, depth=2, limit=40)
             if self.repair and _random(func) and self._outer_ran_for_real(frame):
                 # the outer op drew its random numbers when it ran for real; its decomposition
                 # (uniform_ -> prims.uniform) must not draw them again
@@ -280,6 +286,33 @@ class Propagation:
             return self._call(wrapped, args, kwargs, mode, func, (op_args, op_kwargs))
         finally:
             frame.depth -= 1
+
+    def _values_of_the_real_run(self, mode: Any, func: Any, result: Any, real_out: Any) -> Any:
+        """A random op whose fake outputs came back from its decomposition without the real
+        run's values (the nested ops drew their own numbers): the real run's values, where every
+        output agrees in sizes, dtype and device."""
+        fakes: list[Any] = []
+        reals: list[Any] = []
+        try:
+            _pair(result, real_out, fakes, reals)
+        except _CannotRebuild:
+            return result
+        if not fakes or all(
+            getattr(f, "real_tensor", None) is r for f, r in zip(fakes, reals, strict=True)
+        ):
+            return result  # upstream propagated them (the build's decomposition path does)
+        try:
+            result = self._with_values(result, real_out)
+        except _CannotRebuild:
+            return result
+        self._report(
+            "decomposition_values",
+            "propagation_repaired",
+            func,
+            repair="decomposition_values",
+            values="real kernel",
+        )
+        return result
 
     def _outer_ran_for_real(self, frame: Frame) -> bool:
         """Did the outermost op of ``frame`` run for real (every fake argument with values)?"""
@@ -1169,10 +1202,12 @@ def _plain_in_place(schema: Any, written: list[Any], name: str) -> bool:
     """An in-place op whose only effect is on its first argument's values: ``self`` is the one
     argument written, a tensor, the one return aliases it, no other argument aliases, and it
     keeps ``self``'s sizes and strides (not ``resize_``/``set_``, not ``inplace_view``)."""
-    first = schema.arguments[0] if schema.arguments else None
+    arguments = schema.arguments  # (a new list of new objects at every read on some builds)
+    first = arguments[0] if arguments else None
     if (
-        len(written) != 1
-        or written[0] is not first
+        first is None
+        or len(written) != 1
+        or written[0].name != first.name
         or str(first.type) != "Tensor"
         or len(schema.returns) != 1
         or schema.returns[0].alias_info is None
@@ -1181,7 +1216,7 @@ def _plain_in_place(schema: Any, written: list[Any], name: str) -> bool:
     ):
         return False
     same = schema.returns[0].alias_info.before_set == first.alias_info.before_set
-    others = [a for a in schema.arguments[1:] if a.alias_info is not None]
+    others = [a for a in arguments[1:] if a.alias_info is not None]
     return same and not others
 
 
@@ -1291,7 +1326,13 @@ def _random(func: Any) -> bool:
     """Does ``func`` draw from a generator (``nondeterministic_seeded``)?"""
     random = _RANDOM.get(func)
     if random is None:
-        random = _RANDOM[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        # the tag, or a generator argument (2.4's prims.uniform has no tag)
+        random = _RANDOM[func] = torch.Tag.nondeterministic_seeded in getattr(
+            func, "tags", ()
+        ) or any(
+            "Generator" in str(a.type)
+            for a in getattr(getattr(func, "_schema", None), "arguments", ())
+        )
     return random
 
 

@@ -923,13 +923,14 @@ def real_out_of(local: dict[str, Any] | None) -> Any:
 NO_REAL_OUT = _NO_REAL_OUT
 
 
-def running_real_out(mode: Any, depth: int = 2) -> Any:
-    """From inside a function ``_dispatch_impl`` calls (the fallback kernel): the real output
-    of the op its nearest frame of ``mode`` dispatches, or ``NO_REAL_OUT``."""
+def running_real_out(mode: Any, depth: int = 2, limit: int = 8) -> Any:
+    """From inside a function ``_dispatch_impl`` calls (the fallback kernel, a decomposition's
+    nested op): the real output of the op its nearest frame of ``mode`` dispatches, or
+    ``NO_REAL_OUT``."""
     import sys
 
     frame: Any = sys._getframe(depth)
-    for _ in range(8):
+    for _ in range(limit):
         if frame is None:
             break
         if frame.f_code.co_name == "_dispatch_impl" and frame.f_locals.get("self") is mode:

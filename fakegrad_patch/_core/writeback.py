@@ -66,6 +66,7 @@ class Frame:
         "copy_back",
         "depth",
         "direct",
+        "func",
         "keep",
         "lost",
         "mode",
@@ -73,13 +74,19 @@ class Frame:
         "op",
         "param_swaps",
         "real_ok",
+        "real_out",
         "scanned",
         "swaps",
         "written",
     )
 
-    def __init__(self, mode: Any, op: tuple[Any, Any]) -> None:
+    def __init__(self, mode: Any, op: tuple[Any, Any], func: Any = None) -> None:
         self.mode = mode
+        #: the op
+        self.func = func
+        #: a random op's real output, read from upstream's frame at its first nested op (builds
+        #: whose decomposition path drops it); ``None`` until then
+        self.real_out: Any = None
         #: the op's (args, kwargs)
         self.op = op
         #: whether :meth:`WriteBack.scan` ran (only when the op or a nested op writes)
