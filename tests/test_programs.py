@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -649,3 +650,27 @@ def test_tolist_reads_the_values_as_eager(setting: str, read: str) -> None:
         with fake_mode() if fake else contextlib.nullcontext():
             lists.append(TOLISTS[read](x))
     assert lists[0] == lists[1]
+
+
+@pytest.mark.parametrize("buffers", ["upstream", "write_back"])
+def test_retain_grad_after_the_tensor_entered_the_mode_gives_a_real_grad(
+    setting: str, buffers: str
+) -> None:
+    """``buf += leaf`` makes a real buffer a non-leaf; ``retain_grad()`` called after it had
+    entered the mode: its retained gradient was a FakeTensor on a real tensor."""
+    fakegrad_patch.configure(buffers=buffers)
+    grads = []
+    for fake in (False, True):
+        torch.manual_seed(0)
+        a = torch.randn(3, 4, requires_grad=True)
+        buf = torch.zeros(3, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fakegrad_patch.FakeGradPatchWarning)
+            with fake_mode() if fake else contextlib.nullcontext():
+                buf += a
+                view = buf[:, ::2]
+                buf.retain_grad()
+                view.sin().sum().backward()
+        grads.append(buf.grad)
+    assert type(grads[1]) is torch.Tensor
+    torch.testing.assert_close(grads[1], grads[0])

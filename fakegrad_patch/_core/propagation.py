@@ -135,6 +135,19 @@ class Propagation:
                 scaler = self._wb.scaler_site()
                 if scaler is not None:
                     sites.append(scaler)
+                own = torch.Tensor.__dict__.get("retain_grad", _sites.ABSENT)
+                retain = own if own is not _sites.ABSENT else _targets.tensor_retain_grad()
+                if callable(retain):
+                    sites.append(
+                        _sites.Site(
+                            torch.Tensor,
+                            "retain_grad",
+                            wrapt.FunctionWrapper(retain, self._retain_grad),
+                            own,
+                            registry=_sites.user_modes,
+                            lost="retain_grad() after a tensor entered the mode keeps fake .grad",
+                        )
+                    )
                 fake_cls = self._r.fake_tensor_cls
                 sites.append(
                     _sites.Site(
@@ -171,6 +184,19 @@ class Propagation:
             if self._sites is sites:
                 self.observing = True
         return True
+
+    def _retain_grad(self, wrapped: Any, t: Any, args: Any, kwargs: Any) -> Any:
+        """``retain_grad()`` on a real non-leaf while a propagating user mode lives: its retained
+        gradient may be a fake one (the tensor entered the mode before, or will); its hooks are
+        armed now, as when a mode converts a retained tensor (they leave real gradients as
+        they are)."""
+        result = wrapped(*args, **kwargs)
+        try:
+            if self.repair and not self._is_fake(t) and t.grad_fn is not None and t.retains_grad:
+                self._applied.arming.arm_retained(t)
+        except Exception as exc:  # never break the host's program
+            self._applied.internal_error("retain_grad", exc)
+        return result
 
     def _make_tolist(self, original: Any) -> Any:
         """``FakeTensor.tolist`` in a propagating user mode: the propagated values' list, as

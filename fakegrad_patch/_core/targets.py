@@ -491,6 +491,16 @@ def value_bit_tools() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
 TENSOR_DATA = Target("torch._C", "TensorBase.data", "real.data = fake inside the mode")
 
 
+#: CALLED. ``Tensor.retain_grad`` of torch's C tensor class (``torch.Tensor`` inherits it). While a
+#: propagating user mode lives, ``torch.Tensor.retain_grad`` is ours over it (sites.ABSENT): a
+#: real non-leaf retained after it entered the mode gets the hooks that make its retained
+#: gradient real.
+def tensor_retain_grad() -> Any:
+    import torch
+
+    return getattr(torch._C.TensorBase, "retain_grad", None)
+
+
 #: CALLED (READ of ``meta_converter.describer.lookup_tensor``). A converter's memo maps a real
 #: tensor to the fake it made; after ``real.data = ...`` that fake describes the old tensor, so
 #: the real tensor's entry is dropped (its next conversion makes a new fake). Same names on 2.4.0,
