@@ -636,6 +636,16 @@ class Propagation:
         try:
             result = self._from_real(mode, real_out)
         except _CannotRebuild:
+            if not _random(func) and any(
+                _is_zero(t)
+                for t in _flat_tensors(
+                    real_out if isinstance(real_out, tuple | list) else (real_out,)
+                )
+            ):
+                # a ZeroTensor output (an op on a ZeroTensor, forward AD's zero tangents): its
+                # fake needs the ZeroTensor key, which upstream's path gives it (the real run
+                # had no side effect)
+                return _NOT_FAST
             # a sparse or subclass output: the converter's own fakes (rare)
             result = _map_tensors(
                 lambda t: mode.fake_tensor_converter.from_real_tensor(mode, t), real_out
