@@ -280,7 +280,11 @@ class Propagation:
             result = None
             try:
                 result = self._call(wrapped, args, kwargs, mode, func, frame.op)
-                if frame.real_out is not None and frame.real_out is not _targets.NO_REAL_OUT:
+                if (
+                    frame.real_out is not None
+                    and frame.real_out is not _targets.NO_REAL_OUT
+                    and _fresh_outputs(func)
+                ):
                     result = self._values_of_the_real_run(mode, func, result, frame.real_out)
                 ok = True
                 return result
@@ -300,9 +304,10 @@ class Propagation:
                 self._guarded(wb.nested_write, frame, func, written, op_args, op_kwargs)
                 if self.repair or wb.enabled:  # write-back needs it whatever the setting
                     self._guarded(self._shadow, frame, func, written, op_args, op_kwargs)
-            if frame.depth == 1 and frame.real_out is None and self.repair and _random(frame.func):
-                # a random op decomposed: its real output, before the nested ops run (2.4's
-                # decomposition path returns their values, drawn in another pattern: rrelu)
+            if frame.depth == 1 and frame.real_out is None and self.repair:
+                # a decomposed op: its real output, before the nested ops run (2.4's
+                # decomposition path returns their values: another rounding, other strides,
+                # another pattern of random draws (rrelu))
                 frame.real_out = _targets.running_real_out(mode, depth=2, limit=40)
             if self.repair and _random(func) and self._outer_ran_for_real(frame):
                 # the outer op drew its random numbers when it ran for real; its decomposition
@@ -314,9 +319,10 @@ class Propagation:
             frame.depth -= 1
 
     def _values_of_the_real_run(self, mode: Any, func: Any, result: Any, real_out: Any) -> Any:
-        """A random op whose fake outputs came back from its decomposition without the real
-        run's values (the nested ops drew their own numbers): the real run's values, where every
-        output agrees in sizes, dtype and device."""
+        """An op whose fake outputs came back from its decomposition without the real run's
+        values (2.4: the nested ops' values: another rounding, other strides, other random
+        draws): the real run's values, where every output agrees in sizes, dtype and device;
+        new tensors whose fakes' strides are not the real ones' are made from them."""
         fakes: list[Any] = []
         reals: list[Any] = []
         try:
@@ -338,7 +344,7 @@ class Propagation:
             repair="decomposition_values",
             values="real kernel",
         )
-        return result
+        return self._agreeing(mode, func, result)
 
     def _outer_ran_for_real(self, frame: Frame) -> bool:
         """Did the outermost op of ``frame`` run for real (every fake argument with values)?"""
