@@ -285,7 +285,7 @@ def status() -> dict[str, Any]:
         "arming": applied._arming if applied else None,
         "zero_copy": bool(applied and applied.materializer.baseline is not None),
         # buffers="write_back" in force (FakeTensorMode.dispatch wrapped)
-        "write_back": bool(applied and applied.write_back.enabled),
+        "write_back": bool(applied and applied.dispatch.aliases.enabled),
         # in-place updates of real tensors that reached only a fake copy (update_lost events)
         "updates_lost": _lost_count(),
         # torch.autograd.backward is our wrapper now (only while a propagating mode lives or a
@@ -298,20 +298,20 @@ def status() -> dict[str, Any]:
 
 
 def _propagation_counts(applied: _Applied | None) -> dict[str, Any]:
-    propagation = getattr(applied, "propagation", None)
-    if propagation is None:
+    dispatch = getattr(applied, "dispatch", None)
+    if dispatch is None:
         return {"fast_ops": 0, "rebuilt": 0, "repaired": {}}
-    counts = dict(propagation.counts)
+    counts = dict(dispatch.stats.counts)
     return {
-        "fast_ops": propagation.fast_ops,
+        "fast_ops": dispatch.stats.fast_ops,
         "rebuilt": counts.pop("rebuilt", 0),
         "repaired": counts,
     }
 
 
 def _lost_count() -> int:
-    writeback = sys.modules.get(__package__ + ".writeback")
-    return writeback.lost_count() if writeback is not None else 0
+    standins = sys.modules.get(__package__ + ".dispatch.standins")
+    return standins.lost_count() if standins is not None else 0
 
 
 def _armed_count() -> int:
@@ -382,19 +382,24 @@ class _Applied:
         from . import fakeleaves as _fakeleaves
         from . import mismatch as _mismatch
         from . import probes as _probes
-        from . import propagation as _propagation
+        from . import records as _records
         from . import sites as _sites
         from . import targets as _targets
         from . import values as _values
-        from . import writeback as _writeback
+        from .dispatch.wrapper import Dispatcher
 
         self._torch = torch
         self.resolved = _targets.resolve_all()
         self.probes = _probes.Probes(self.resolved)
-        self.write_back = _writeback.WriteBack(self.resolved, self)
-        # owns the FakeTensorMode.dispatch wrapper: the write-back watch and the propagation
-        # repairs (issue 39)
-        self.propagation = _propagation.Propagation(self.resolved, self, self.write_back)
+        self.mismatch = _mismatch.Mismatch(self)
+        self.arming: Any = None  # below: it needs the hooks
+        self.dispatch = Dispatcher(
+            self.resolved,
+            errors=self,
+            mismatch=self.mismatch,
+            copies=_records.Copies(self.resolved.no_dispatch),
+            armer=self,
+        )
         self.values = _values.Values(self.resolved, self.probes, self)
         self.materializer = _accumulate.Materializer(
             self.resolved,
@@ -452,11 +457,10 @@ class _Applied:
         self._ddp = _ddp
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
         self._mismatch_wrapper: Any = None
-        self._mismatch = _mismatch.Mismatch(self)
         error_cls = _targets._resolve_optional(_targets.METADATA_MISMATCH_ERROR)
         if isinstance(error_cls, type) and "__init__" in error_cls.__dict__:
             self._mismatch_cls = error_cls
-            wrapt.wrap_function_wrapper(error_cls, "__init__", self._mismatch.init)
+            wrapt.wrap_function_wrapper(error_cls, "__init__", self.mismatch.init)
             self._mismatch_wrapper = error_cls.__dict__["__init__"]
         self.apply_settings()
         self.backward_site.start()  # last: a failed installation never leaves it in place
@@ -581,8 +585,8 @@ class _Applied:
         ):
             try:
                 self.backward_site.need_mode(instance)
-                if not self.write_back.observing and getattr(instance, "shape_env", None) is None:
-                    self.write_back.observe()
+                if not self.dispatch.observing and getattr(instance, "shape_env", None) is None:
+                    self.dispatch.observe()
             except Exception as exc:  # never break the host
                 self.internal_error("mode", exc)
         return result
@@ -595,13 +599,13 @@ class _Applied:
         settings = _config.current()
         want = settings.buffers == "write_back"
         try:
-            self.propagation.repair = settings.propagation != "upstream"
-            self.propagation.fast = settings.propagation == "fast"
+            self.dispatch.settings.repair = settings.propagation != "upstream"
+            self.dispatch.settings.fast = settings.propagation == "fast"
             self.values.plain_policy = settings.on_missing_explicit
             if self._active:
                 self.backward_site.set_policy(settings.on_missing_explicit or self._always)
-            if want and not self.write_back.enabled:
-                if not self.write_back.enable():
+            if want and not self.dispatch.aliases.enabled:
+                if not self.dispatch.write_back(True):
                     reason = "FakeTensorMode.dispatch not found on this build"
                     warn_once(
                         "write_back:unavailable",
@@ -610,10 +614,15 @@ class _Applied:
                     )
                     if trace.enabled(trace.WARNING):
                         trace.emit("write_back_unavailable", trace.WARNING, reason=reason)
-            elif not want and self.write_back.enabled:
-                self.write_back.disable()
+            elif not want and self.dispatch.aliases.enabled:
+                self.dispatch.write_back(False)
         except Exception as exc:  # never break the host
             self.internal_error("settings", exc)
+
+    def arm_retained(self, t: Any) -> None:
+        """A real non-leaf retained after it entered a propagating mode (the dispatch path's
+        ``retain_grad`` site): its hooks, from the arming."""
+        self.arming.arm_retained(t)
 
     def internal_error(self, where: str, exc: BaseException) -> None:
         if trace.enabled(trace.ERROR):
@@ -634,6 +643,7 @@ class _Applied:
         backward calls running now keep their hooks until they return, and the leaves of every
         live propagating converter's records get hooks that last until their node dies. Returns
         how many hooks are left to finish."""
+        from . import records as _records
         from . import values as _values
 
         self._active = False
@@ -641,8 +651,8 @@ class _Applied:
         self.arming.active = False
         self._ddp.remove()
         try:
-            self.write_back.disable()
-            self.propagation.remove()
+            self.dispatch.write_back(False)
+            self.dispatch.remove()
         except Exception as exc:  # never break the host
             self.internal_error("uninstall", exc)
         self._unwrap(self._cls, _ATTR, self._wrapper, self._original, self._had_own_attr)
@@ -651,11 +661,11 @@ class _Applied:
             self._unwrap(
                 self.resolved.fake_mode_cls, "__init__", self._mode_init_wrapper, None, True
             )
-        self._mismatch.active = False
+        self.mismatch.active = False
         if self._mismatch_wrapper is not None:
             self._unwrap(self._mismatch_cls, "__init__", self._mismatch_wrapper, None, True)
         try:
-            leaves = _recorded_leaves(_values.records(), self.resolved)
+            leaves = _recorded_leaves(_records.records(), self.resolved)
             if leaves and self.ready():
                 self.arming.arm_lasting(leaves)
         except Exception as exc:  # never break the host

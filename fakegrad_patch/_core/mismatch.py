@@ -100,8 +100,8 @@ class Mismatch:
         if not isinstance(reason, str) or not reason.startswith(_PREFIX):
             return
         user = _in_user_mode()
-        propagation = getattr(self._applied, "propagation", None)
-        if user and propagation is not None and propagation.repair:
+        dispatch = getattr(self._applied, "dispatch", None)
+        if user and dispatch is not None and dispatch.settings.repair:
             # the dispatch wrapper makes the op's outputs from the real kernel's (issue 39,
             # ``propagation_rebuilt``) and calls :meth:`report` only when it cannot
             return

@@ -42,13 +42,11 @@ import torch
 
 from .. import _config, trace
 from . import leaves as _leaves
+from . import records as _records
 from . import state as _state
 from .probes import D2, FOREIGN_FAKE, bypassed
 from .weak import WeakIdTable
 
-#: converter -> (real source root -> (weak ref to the fake root, data pointer of its propagated
-#: storage, source version when synced))
-_records: WeakIdTable[WeakIdTable[tuple[Any, int, int]]] = WeakIdTable()
 #: converter -> the generation in which its earlier conversions were last checked
 _contacts: WeakIdTable[int] = WeakIdTable()
 #: mode -> why its propagated values cannot be trusted
@@ -72,28 +70,6 @@ def new_generation() -> None:
 
 def tainted(mode: Any) -> bool:
     return len(_tainted) > 0 and mode in _tainted
-
-
-def records() -> Any:
-    """Every live ``(converter, table)`` (for uninstall's lasting hooks)."""
-    return _records.items()
-
-
-#: real root -> {data pointer: weak reference to the storage} of the propagated copies made of it
-#: (the storages live while any fake or view over them does)
-_copies: WeakIdTable[dict[int, Any]] = WeakIdTable()
-
-
-def _note_copy(root: Any, real: Any) -> None:
-    storage = real.untyped_storage()
-    data = storage.data_ptr()
-    copies = _copies.get(root)
-    if copies is None:
-        copies = {}
-        _copies.set(root, copies)
-    ref = copies.get(data)
-    if ref is None or ref() is None:
-        copies[data] = weakref.ref(storage)
 
 
 def _values_are_the_constant(fake: Any) -> None:
@@ -131,8 +107,8 @@ class Values:
         self.plain_policy = False
         #: probe D2, read at the first propagating conversion
         self._d2: bool | None = None
-        #: buffers="write_back" (issue 18): aliases op inputs that do not require grad
-        self._write_back = applied.write_back
+        #: the dispatch path: its switch, write-back's aliasing and the watch of op inputs
+        self._dispatch = applied.dispatch
 
     # -- the wrapper ---------------------------------------------------------------------------
 
@@ -214,9 +190,9 @@ class Values:
     def _propagating(self, conv: Any, mode: Any, t: Any, fake: Any, op_input: bool) -> None:
         if (fake.is_conj() or fake.is_neg()) and not self._is_fake(t) and t._base is None:
             self._bits_on_values(fake, t)
-        write_back = self._write_back
-        if not write_back.observing:
-            write_back.observe()  # first need: in-place updates of real tensors are watched
+        dispatch = self._dispatch
+        if not dispatch.observing:
+            dispatch.observe()  # first need: in-place updates of real tensors are watched
         if _contacts.get(conv) != _Generation.value:
             self._contact(conv, mode, t)
         self._note_made(conv)
@@ -228,24 +204,17 @@ class Values:
                 self._applied.arming.arm_retained(t)
         elif _leaves.has_managed_grads() and _leaves.managed_grad(t):
             self._alias_grad(fake, t)
-        elif self._write_back.enabled and self._write_back.convert(mode, t, fake, op_input):
+        elif dispatch.aliases.enabled and dispatch.aliases.convert(mode, t, fake, op_input):
             self._record_seen(conv, t, fake, fake.real_tensor)  # write-back: fake aliases t
         else:
             self._sync(conv, fake, t)
         if op_input and not self._is_fake(t):
             # an op that writes t: does the update reach it (alias), or only the copy (report)?
-            write_back.op_input(mode, t, fake)
+            dispatch.watch.op_input(mode, t, fake)
         # grad-copy fidelity (probe D4) and mirror_to_sources (issue 7)
         self._applied.fake_leaves.on_convert(mode, t, fake)
 
     # -- records ---------------------------------------------------------------------------------
-
-    def _table(self, conv: Any) -> WeakIdTable[tuple[Any, int, int]]:
-        table = _records.get(conv)
-        if table is None:
-            table = WeakIdTable()
-            _records.set(conv, table)
-        return table
 
     def _bits_on_values(self, fake: Any, t: Any) -> None:
         """A conjugate or negative tensor that is not a view (a kernel's output): the converter
@@ -270,10 +239,10 @@ class Values:
         root = t._base if t._base is not None else t
         fake_root = fake._base if fake._base is not None else fake
         data = real.untyped_storage().data_ptr() if real.layout == torch.strided else 0
-        self._table(conv).set(root, (weakref.ref(fake_root), data, t._version))
+        _records.table_of(conv).set(root, (weakref.ref(fake_root), data, t._version))
 
     def _note(self, conv: Any, t: Any) -> None:
-        table = self._table(conv)
+        table = _records.table_of(conv)
         if t not in table:
             table.set(t, (None, 0, -1))
 
@@ -297,7 +266,7 @@ class Values:
                 return
             values = source
             version = source._version
-        table = self._table(conv)
+        table = _records.table_of(conv)
         fake_root = fake._base if fake._base is not None else fake
         data = real.untyped_storage().data_ptr()
         entry = table.get(root)
@@ -324,7 +293,7 @@ class Values:
             self._copy_values(real, values, source, reason)
         table.set(root, (weakref.ref(fake_root), data, version))
         if not foreign:
-            _note_copy(root, real)
+            _records.note_copy(root, real)
 
     def _d2_applies(self, root: Any, foreign: bool) -> bool:
         if foreign:
@@ -350,40 +319,6 @@ class Values:
             fields = _leaves.leaf_fields(source)
             fields["bytes"] = nbytes
             trace.emit_fields(event, trace.INFO, fields, owned=True)
-
-    def refresh(self, t: Any) -> None:
-        """``t`` (real) was just updated for real by an op inside a propagating mode (all real
-        arguments: upstream runs it on ``t`` itself): every live fake whose values are a copy
-        of ``t`` gets its new values now, so views made of them earlier read what eager's
-        views of ``t`` read (they were re-synced only at ``t``'s next conversion)."""
-        if t.layout != torch.strided or t.device.type == "meta":
-            return
-        root = t._base if t._base is not None else t
-        copies = _copies.get(root)
-        if not copies:
-            return
-        source = root.untyped_storage()
-        ptr = source.data_ptr()
-        # (no version test: ADInplaceOrView bumps t's version after the kernel returns.) The
-        # copies' storages, not their fakes: a fast-path view outlives the fake it was made of
-        for data, ref in list(copies.items()):
-            storage = ref()
-            if storage is None:
-                del copies[data]
-                continue
-            if data == ptr or storage.nbytes() != source.nbytes():
-                continue  # an alias of t (write-back), or a layout of its own
-            with self._r.no_dispatch(), torch.no_grad():
-                storage.copy_(source)
-            if trace.enabled(trace.INFO):
-                fields = _leaves.leaf_fields(root)
-                fields["bytes"] = source.nbytes()
-                trace.emit_fields("propagated_values_resynced", trace.INFO, fields, owned=True)
-        version = root._version
-        for _conv, table in _records.items():
-            entry = table.get(root)
-            if entry is not None and entry[0] is not None and entry[1] != ptr:
-                table.set(root, (entry[0], entry[1], version))
 
     # -- conversions the patch did not see -----------------------------------------------------
 
@@ -426,7 +361,7 @@ class Values:
             return  # no Parameter (or other subclass) converted: D2 cannot matter, no probe
         if not self._probes.has(D2):
             return
-        table = _records.get(conv)
+        table = _records.lookup(conv)
         made = self._r.conversions_made(conv)
         unseen = (
             not definite_only

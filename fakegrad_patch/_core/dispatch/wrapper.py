@@ -1,0 +1,301 @@
+"""The one wrapper of ``FakeTensorMode.dispatch``, top to bottom.
+
+It acts only in modes that propagate real values and have no ShapeEnv (a user's; torch.compile,
+export and the other tracers keep upstream's behaviour exactly). For each op it:
+
+1. keeps a :class:`~.frames.Frame` for the outermost op of the mode on this thread, and tells the
+   write-back watch what the op writes (``enter``, ``nested_write``, ``returned``);
+2. shadows a nested op's writes and keeps a nested random op's generators when the outer op ran
+   for real (:mod:`.nested`);
+3. takes the ops FakeTensorMode refuses with real storages or tensors (:mod:`.refused`);
+4. takes the fast path for new tensors, views and in-place ops (:mod:`.fast`, the default);
+5. else hands the op to upstream's path with its repairs (:mod:`.upstream`).
+
+``FakeTensorMode.dispatch`` is this wrapper only while a propagating user mode lives or
+write-back is on (a :class:`~..sites.Site`); with the unsafe fallback, ``Tensor.data``,
+``Tensor.retain_grad``, ``FakeTensor.tolist`` and ``GradScaler.update`` likewise.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .. import sites as _sites
+from .. import targets as _targets
+from ..typing import CopyRefresher, InternalErrors, MismatchReporter, RetainedArmer
+from .aliases import Aliases
+from .fallback import Fallback
+from .fast import NOT_FAST, FastPath
+from .frames import Frame, Frames
+from .methods import method_sites
+from .nested import GeneratorsKept, Nested
+from .objects import BornInside
+from .ops import Kind, facts
+from .refused import Converted, Refused
+from .stats import Settings, Stats
+from .tensors import CannotRebuild, op_arguments
+from .upstream import Upstream, name_the_op
+from .watch import Watch
+
+
+class Dispatcher:
+    """One installation's dispatch wrapper and the parts it calls."""
+
+    def __init__(
+        self,
+        resolved: Any,
+        errors: InternalErrors,
+        mismatch: MismatchReporter,
+        copies: CopyRefresher,
+        armer: RetainedArmer,
+    ) -> None:
+        self._r = resolved
+        self._errors = errors
+        self._armer = armer
+        self._lock = threading.Lock()
+        #: ``FakeTensorMode.dispatch`` wrapped while needed (reports; write-back; repairs)
+        self.observing = False
+        self._sites: list[_sites.Site] = []
+        self._policy = False
+        self.settings = Settings()
+        self.stats = Stats()
+        self.frames = Frames()
+        self.aliases = Aliases(resolved, self.frames, self)
+        self.born_inside = BornInside(resolved, errors)
+        self.watch = Watch(resolved, self.frames, self.aliases, copies)
+        self._fast = FastPath(resolved, self.stats)
+        self._upstream = Upstream(resolved, self.settings, self.stats, self._fast, mismatch)
+        self._nested = Nested(resolved, self.stats, self.watch, self._upstream)
+        self._refused = Refused(resolved, self.stats, self._fast)
+        self._fallback = Fallback(resolved, self.settings, self.stats, self._fast, errors)
+        #: ops the mode answers from metadata (``prim.device``): handed straight on
+        self._direct = _targets.direct_ops(resolved.fake_tensor_module)
+        self._can_read_frames = (
+            _targets._resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT) is not None
+        )
+
+    # -- on / off -------------------------------------------------------------------------------
+
+    def observe(self) -> bool:
+        """Watch the ops of propagating user modes (idempotent, thread-safe): from now on the
+        wrappers are in place while such a mode lives or write-back is on, and torch's own
+        functions otherwise (a plain mode, a tracer's, pays nothing per op). False where
+        ``dispatch`` is missing."""
+        if self.observing:
+            return True
+        import wrapt
+
+        # import first, then lock: resolving a target may import
+        if _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH) is None:
+            return False
+        fallback_ok = _targets._resolve_optional(_targets.RUN_FALLBACK_KERNEL) is not None
+        with self._lock:
+            if self.observing:
+                return True
+            sites = self._sites
+            if not sites:
+                sites = self._make_sites(wrapt, fallback_ok)
+                if not sites:
+                    return False
+                for site in sites:
+                    site.set_policy(self._policy)
+                self._sites = sites
+        # Started before ``observing`` is set: a thread that finds it set finds the wrappers in
+        # place when a mode needs them. Outside our lock: starting may warn (somebody replaced
+        # ``dispatch``); a site closed meanwhile (uninstall) stays closed.
+        for site in sites:
+            site.start()
+        with self._lock:
+            if self._sites is sites:
+                self.observing = True
+        return True
+
+    def _make_sites(self, wrapt: Any, fallback_ok: bool) -> list[_sites.Site]:
+        cls = self._r.fake_mode_cls
+        name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
+        original = cls.__dict__.get(name)
+        if not callable(original):
+            return []
+        sites = [
+            _sites.Site(
+                cls,
+                name,
+                wrapt.FunctionWrapper(original, self.dispatch),
+                original,
+                registry=_sites.user_modes,
+                lost="in-place updates of real tensors inside the mode are not watched",
+            )
+        ]
+        sites += method_sites(
+            self._r, self.settings, lambda: self.observing, self._armer, self._errors
+        )
+        scaler = self.born_inside.scaler_site()
+        if scaler is not None:
+            sites.append(scaler)
+        module = self._r.fake_tensor_module
+        fallback = module.__dict__.get("run_fallback_kernel")
+        if fallback_ok and self._can_read_frames and callable(fallback):
+            sites.append(
+                _sites.Site(
+                    module,
+                    "run_fallback_kernel",
+                    wrapt.FunctionWrapper(fallback, self._fallback),
+                    fallback,
+                    registry=_sites.user_modes,
+                    lost="ops without a meta kernel keep the zeros' values",
+                )
+            )
+        return sites
+
+    def set_policy(self, explicit: bool) -> None:
+        """Wrapped whether or not a mode lives (write-back on)."""
+        self._policy = explicit
+        for site in self._sites:
+            site.set_policy(explicit)
+
+    def write_back(self, on: bool) -> bool:
+        """``buffers="write_back"`` on or off; False where it is unavailable."""
+        if on:
+            if not self.aliases.enable():
+                return False
+        else:
+            self.aliases.disable()
+        self.born_inside.follow(on)
+        return True
+
+    def remove(self) -> None:
+        """``uninstall()``: torch's functions back."""
+        with self._lock:
+            self.observing = False
+            sites, self._sites = self._sites, []  # also those observe() is starting
+        for site in sites:
+            site.close()  # torch's back, unless somebody wrapped over ours (warned)
+
+    # -- the wrapper ----------------------------------------------------------------------------
+
+    def dispatch(
+        self, wrapped: Any, mode: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if (
+            not self.observing
+            or not getattr(mode, "propagate_real_tensors", False)
+            or getattr(mode, "shape_env", None) is not None
+            or (args and args[0] in self._direct)
+        ):
+            return wrapped(*args, **kwargs)
+        frames = self.frames
+        frame = frames.of(mode)
+        try:
+            func = args[0] if args else kwargs["func"]
+            op_facts = facts(func)
+            op_args, op_kwargs = op_arguments(args, kwargs)
+        except Exception as exc:  # never break the host's fake computation
+            self._errors.internal_error("dispatch", exc)
+            return wrapped(*args, **kwargs)
+        written = op_facts.written
+        if frame is None:
+            return self._outermost(wrapped, args, kwargs, mode, func, op_facts, op_args, op_kwargs)
+        frame.depth += 1
+        try:
+            if written:
+                # the watch first: it reads where the written arguments' values are before the
+                # shadow replaces them
+                self._guarded(self.watch.nested_write, frame, func, written, op_args, op_kwargs)
+                if self.settings.repair or self.aliases.enabled:  # write-back needs it anyway
+                    self._guarded(self._nested.shadow, frame, func, written, op_args, op_kwargs)
+            if frame.depth == 1 and frame.real_out is None and self.settings.repair:
+                # the outer op's real output, before its nested ops run
+                frame.real_out = _targets.running_real_out(mode, depth=2, limit=40)
+            op = (op_args, op_kwargs)
+            if self.settings.repair and op_facts.random and self._nested.ran_for_real(frame):
+                # the outer op drew its random numbers when it ran for real; its decomposition
+                # (uniform_ -> prims.uniform) must not draw them again
+                with GeneratorsKept(op_args, op_kwargs):
+                    return self._call(wrapped, args, kwargs, mode, func, op, op_facts)
+            return self._call(wrapped, args, kwargs, mode, func, op, op_facts)
+        finally:
+            frame.depth -= 1
+
+    def _outermost(
+        self,
+        wrapped: Any,
+        args: Any,
+        kwargs: Any,
+        mode: Any,
+        func: Any,
+        op_facts: Any,
+        op_args: Any,
+        op_kwargs: Any,
+    ) -> Any:
+        frame = Frame(mode, (op_args, op_kwargs), func)
+        if op_facts.written:
+            self._guarded(self.watch.enter, frame, op_facts.written)
+        stack = self.frames.stack
+        stack.append(frame)
+        ok = False
+        result = None
+        try:
+            result = self._call(wrapped, args, kwargs, mode, func, frame.op, op_facts)
+            if (
+                frame.real_out is not None
+                and frame.real_out is not _targets.NO_REAL_OUT
+                and op_facts.fresh_outputs
+            ):
+                result = self._nested.values_of_the_real_run(mode, func, result, frame.real_out)
+            ok = True
+            return result
+        except Exception as exc:
+            name_the_op(exc, func)
+            raise
+        finally:
+            stack.pop()
+            if frame.swaps:
+                self._guarded(self._nested.unshadow, frame)
+            self._guarded(self.watch.returned, frame, func, result, ok)
+
+    def _call(
+        self, wrapped: Any, args: Any, kwargs: Any, mode: Any, func: Any, op: Any, op_facts: Any
+    ) -> Any:
+        """One op: what FakeTensorMode refuses, the fast path, else upstream's path."""
+        settings = self.settings
+        if settings.repair:
+            if op_facts.sets_storage:
+                result = self._refused.set_storage(mode, func, op)
+                if result is not NOT_FAST:
+                    return result
+            if op_facts.mutates_metadata and mode.allow_non_fake_inputs:
+                result = self._refused.mutate_metadata(mode, func, op)
+                if isinstance(result, Converted):  # upstream's, on the converted arguments
+                    op = (result.args, result.kwargs)
+                    args, kwargs = (args[0], args[1], result.args, result.kwargs), {}
+                elif result is not NOT_FAST:
+                    return result
+        kind = op_facts.kind
+        if settings.fast and kind is not Kind.OTHER:
+            if kind is Kind.NEW:
+                result = self._fast.new(mode, func, op, op_facts)
+            elif kind is Kind.VIEW:
+                try:
+                    result = self._fast.view(mode, func, op, op_facts)
+                except CannotRebuild:
+                    return wrapped(*args, **kwargs)  # upstream's view, its own values
+            else:
+                result = self._fast.in_place(mode, func, op)
+            if result is not NOT_FAST:
+                return result
+        elif settings.repair and op_facts.bit_view and not settings.fast:
+            # upstream's conj of a 0-d tensor (its constant path) loses the bit, fake and values
+            try:
+                result = self._fast.view(mode, func, op, op_facts)
+            except CannotRebuild:
+                return wrapped(*args, **kwargs)
+            if result is not NOT_FAST:
+                return result
+        return self._upstream.call(wrapped, args, kwargs, mode, func, op, op_facts)
+
+    def _guarded(self, method: Any, *args: Any) -> None:
+        try:
+            method(*args)
+        except Exception as exc:  # never break the host's fake computation
+            self._errors.internal_error("dispatch", exc)
