@@ -60,8 +60,9 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 SCHEMA_VERSION: Final = 1
-DEBUG, INFO, WARNING, ERROR = 10, 20, 30, 40
-_LEVEL_NAMES: Final = {"debug": DEBUG, "info": INFO, "warning": WARNING, "error": ERROR}
+#: level name -> number: the settings' table (they parse level names with it), not a copy
+_LEVEL_NAMES: Final = _settings.TRACE_LEVELS
+DEBUG, INFO, WARNING, ERROR = (_LEVEL_NAMES[n] for n in ("debug", "info", "warning", "error"))
 _NAMES_BY_LEVEL: Final = {v: k for k, v in _LEVEL_NAMES.items()}
 
 ENV_PATH: Final = "FAKEGRAD_TRACE"
@@ -507,44 +508,15 @@ def _envelope(
     return out
 
 
-def _fan_out(
-    logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
-) -> MutableMapping[str, Any]:
-    """Put the event in the memory buffer (the dict itself: ``events()`` copies) and a copy in
-    each capture block that wants its level; hand it on to the renderer only when the sink wants
-    it (``DropEvent`` otherwise: no JSON is built)."""
-    level = _LEVEL_NAMES[method_name]
-    wanted = level >= _buffer_level
-    if wanted:
-        _buffer.append(event_dict)  # type: ignore[arg-type]  # deque.append: atomic
-    for capture_level, sink_list in _captures:
-        if level >= capture_level:
-            sink_list.append(dict(event_dict))
-    if not wanted or _sink is None or _sink.failed:
-        raise _DropEvent
-    return event_dict
-
-
-def _fan_out_only(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> bytes:
-    """The last step when there is no sink: the fan-out, then nothing for the null target
-    (cheaper than raising ``DropEvent`` for every event)."""
-    level = _LEVEL_NAMES[method_name]
-    if level >= _buffer_level:
-        _buffer.append(event_dict)  # type: ignore[arg-type]
-    for capture_level, sink_list in _captures:
-        if level >= capture_level:
-            sink_list.append(dict(event_dict))
-    return b""
-
-
 def _envelope_fan_out_render(
     logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
 ) -> bytes:
     """The whole pipeline as one processor (issue 27: one call instead of three, no ``DropEvent``
     raised for events the sink does not want, the buffer and the renderer sharing one dict):
-    :func:`_envelope`, then :func:`_fan_out`, then the line as bytes, or ``b""`` (written as
-    nothing) when there is no sink or it does not want the event. Same keys, same order, same
-    scrubbing, same bytes as the separate steps, which stay for the tests and for reading."""
+    :func:`_envelope`, then the fan-out (buffer, captures), then the line as bytes, or ``b""``
+    (written as nothing) when there is no sink or it does not want the event. Same keys, same
+    order, same scrubbing, same bytes as :func:`_envelope` then :func:`_render`, which stay for
+    the tests and for reading."""
     owned = event_dict.pop(_OWNED, None)
     fields = event_dict.pop(_FIELDS, None) if owned is None else None
     out: dict[str, Any] = {
@@ -688,15 +660,9 @@ def _set_renderer() -> Callable[[Any], bytes]:
     return _render_line
 
 
-_DropEvent: type[BaseException] = Exception  # structlog.DropEvent once structlog is imported
-
-
 def _build_logger() -> Any:
     """The private structlog logger for the current configuration (every argument explicit)."""
-    global _DropEvent
     import structlog
-
-    _DropEvent = structlog.DropEvent
 
     if _sink is None:
         target: Any = _NullSink()
@@ -931,10 +897,6 @@ def _directory_problem(target: str) -> str | None:
     if not os.access(directory, os.W_OK | os.X_OK):
         return f"the directory {directory!r} is not writable: {target!r} cannot be created"
     return None
-
-
-def _sink_for_tests() -> _Sink | None:
-    return _sink
 
 
 def _render_line_for_tests(event_dict: dict[str, Any]) -> bytes:
