@@ -192,7 +192,9 @@ def test_copies_outside_the_package_agree_with_the_table() -> None:
         if row.ini:
             assert row.allowed == fakegrad_patch_pytest.INI_ALLOWED
     # one table of level names: the trace's levels are the settings' (not a copy)
-    assert trace._LEVEL_NAMES is _config.TRACE_LEVELS
+    from fakegrad_patch.trace import _env
+
+    assert _env.LEVELS is _config.TRACE_LEVELS
     levels = {
         "debug": trace.DEBUG,
         "info": trace.INFO,
