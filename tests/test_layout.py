@@ -95,15 +95,14 @@ def _imports() -> dict[str, set[str]]:
                     module = ".".join([*base, *([node.module] if node.module else [])])
                 else:
                     module = node.module or ""
-                targets = [f"{module}.{alias.name}" for alias in node.names] + [module]
+                targets = [f"{module}.{alias.name}" for alias in node.names]
             elif isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
-            for target in targets:
+            for target in targets:  # every name: ``from . import a, b`` imports both
                 while target and target not in full:
                     target = target.rpartition(".")[0]
                 if target and full[target] != name:
                     edges[name].add(full[target])
-                    break
     return edges
 
 
