@@ -163,6 +163,7 @@ def _parse_path(value: object) -> str | None:
     return text.strip() or None
 
 
+#: Trace level name -> number; fakegrad_patch.trace takes its levels from this table.
 TRACE_LEVELS: dict[str, int] = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 

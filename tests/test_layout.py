@@ -32,6 +32,9 @@ RANKS: list[tuple[str, list[str]]] = [
     ("errors", ["_errors"]),
     ("settings", ["_config"]),
     ("trace timeline export (standard library only)", ["trace._chrome"]),
+    ("trace configuration: levels, TraceConfig, the environment", ["trace._env"]),
+    ("trace sinks: the file, stderr", ["trace._sinks"]),
+    ("the trace pipeline: envelope, buffer, renderer, structlog logger", ["trace._pipeline"]),
     ("tracing", ["trace", "trace._reader"]),
     ("parts", ["_core", "_tools", "_activation"]),
     ("registries and targets", ["_core.state", "_core.weak", "_core.typing", "_core.targets"]),
@@ -116,15 +119,14 @@ def _imports() -> dict[str, set[str]]:
                     module = ".".join([*base, *([node.module] if node.module else [])])
                 else:
                     module = node.module or ""
-                targets = [f"{module}.{alias.name}" for alias in node.names] + [module]
+                targets = [f"{module}.{alias.name}" for alias in node.names]
             elif isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
-            for target in targets:
+            for target in targets:  # every name: ``from . import a, b`` imports both
                 while target and target not in full:
                     target = target.rpartition(".")[0]
                 if target and full[target] != name:
                     edges[name].add(full[target])
-                    break
     return edges
 
 

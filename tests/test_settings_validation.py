@@ -191,7 +191,17 @@ def test_copies_outside_the_package_agree_with_the_table() -> None:
     for row in SETTINGS:
         if row.ini:
             assert row.allowed == fakegrad_patch_pytest.INI_ALLOWED
-    assert trace._LEVEL_NAMES == _config.TRACE_LEVELS
+    # one table of level names: the trace's levels are the settings' (not a copy)
+    from fakegrad_patch.trace import _env
+
+    assert _env.LEVELS is _config.TRACE_LEVELS
+    levels = {
+        "debug": trace.DEBUG,
+        "info": trace.INFO,
+        "warning": trace.WARNING,
+        "error": trace.ERROR,
+    }
+    assert _config.TRACE_LEVELS == levels == {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 
 def _rejects(row: Setting, value: object) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from fakegrad_patch import trace
+from fakegrad_patch.trace import _pipeline
 
 
 @pytest.fixture
@@ -67,14 +68,15 @@ def _lines_with(backend: str, tmp_path: Path) -> list[bytes]:
         """
         import sys, pickle
         from fakegrad_patch import trace
-        out = [trace._render_line_for_tests(e) for e in pickle.loads(sys.stdin.buffer.read())]
+        from fakegrad_patch.trace import _pipeline
+        out = [_pipeline.render_line(e) for e in pickle.loads(sys.stdin.buffer.read())]
         sys.stdout.write(repr((trace.json_backend, out)))
         """
     )
     envelope = {"event": "fake_grad_set", "level": "info", "timestamp": "t", "schema": 1}
     import pickle
 
-    events = [trace._envelope(None, "info", {"event": "e", **e}) for e in _EVENTS]
+    events = [_pipeline.envelope(None, "info", {"event": "e", **e}) for e in _EVENTS]
     for e in events:
         e.update(envelope)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKEGRAD_")}
@@ -146,7 +148,7 @@ def test_the_one_step_pipeline_records_and_writes_what_the_separate_steps_do(
 ) -> None:
     """Issue 27: envelope, fan-out and renderer run as one processor; same dict in the buffer and
     in captures, same bytes in the file, as the three steps give, for every kind of field."""
-    monkeypatch.setattr(trace, "_timestamp", lambda: "2026-11-30T21:54:22.081334Z")
+    monkeypatch.setattr(_pipeline, "timestamp", lambda: "2026-11-30T21:54:22.081334Z")
     path = tmp_path / "t.jsonl"
     trace.configure_trace(path=path, level="info")
     trace.clear()
@@ -154,9 +156,11 @@ def test_the_one_step_pipeline_records_and_writes_what_the_separate_steps_do(
     expected_dicts = []
     with trace.capture("info") as captured:
         for fields in _EVENTS:
-            step = trace._envelope(None, "info", {"event": "e", "_fakegrad_fields": dict(fields)})
+            step = _pipeline.envelope(
+                None, "info", {"event": "e", "_fakegrad_fields": dict(fields)}
+            )
             expected_dicts.append(step)
-            expected_lines.append(trace._render(None, "info", step))
+            expected_lines.append(_pipeline.render_line(step))
             trace.emit_fields("e", trace.INFO, fields)
             if _plain(fields):
                 # owned=True (the hot paths' call) skips the scrubbing, not the result

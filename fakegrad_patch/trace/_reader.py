@@ -61,29 +61,29 @@ KNOWN_EVENTS = frozenset(
         "fake_grad_keep",
         "internal_error",
         "trace_sink_failed",
-        # fake leaves (issue 7): grad-copy repair, opt-in mirroring, materialize()
+        # fake leaves: grad-copy repair, opt-in mirroring, materialize()
         "grad_copy_repaired",
         "mirrored",
         "materialized",
-        # issue 19: a mode converted Parameters unseen (D2 builds); issue 20: DDP
+        # a mode converted Parameters unseen (D2 builds); DDP
         "mode_untrusted",
         "ddp_mode_seen",
         "ddp_skipped",
-        # issue 18: buffers="write_back"
+        # buffers="write_back"
         "write_back_enabled",
         "write_back_disabled",
         "write_back_unavailable",
-        # issue 28: torch.autograd.backward wrapped only while needed
+        # torch.autograd.backward wrapped only while needed
         "backward_wrapper_installed",
         "backward_wrapper_removed",
         "buffer_written_back",
         "buffer_not_written_back",
         "propagation_mismatch",
-        # issue 39: what the patch does to propagation itself
+        # what the patch does to propagation itself
         "propagation_rebuilt",
         "propagation_repaired",
         "propagation_fast",
-        # issue 25: in-place updates of real tensors inside the mode
+        # in-place updates of real tensors inside the mode
         "update_lost",
         "optimizer_state_materialized",
     }
@@ -206,10 +206,10 @@ class Process:
     #: in-place updates of real tensors that reached only a fake copy: (kind, op) -> count
     updates_lost: Counter[str] = field(default_factory=Counter)
     optimizer_states: int = 0
-    #: issue 39: ops whose outputs were made from the real kernel's; values repaired
+    #: ops whose outputs were made from the real kernel's; values repaired
     rebuilt: int = 0
     repaired: int = 0
-    #: issue 41: ops that took the fast path (debug-level events)
+    #: ops that took the fast path (debug-level events)
     fast: int = 0
     mirrored: int = 0
     materialize_calls: int = 0
