@@ -108,7 +108,7 @@ def patched(
 
 def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:
     """Register ``module``'s parameter names for trace events and messages (held weakly)."""
-    from ._core.leaves import name_parameters as _name_parameters
+    from ._core.convert.leaves import name_parameters as _name_parameters
 
     return _name_parameters(module, prefix)
 
@@ -129,7 +129,7 @@ def mirror_to_sources(mode: Any) -> contextlib.AbstractContextManager[None]:
     converted from real leaves (``mode.from_tensor(param)`` while the block runs) are also
     materialized onto the real source leaves. Off by default because torch.compile/export make
     such fakes internally and must never write real ``.grad``s. See docs/fake-leaves.md."""
-    from ._core.fakeleaves import mirror_to_sources as _mirror_to_sources
+    from ._core.convert.fakeleaves import mirror_to_sources as _mirror_to_sources
 
     return _mirror_to_sources(mode)
 

@@ -250,7 +250,8 @@ def main() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import fakegrad_patch
-    from fakegrad_patch._core import ddp, targets
+    from fakegrad_patch._core.accumulate import ddp
+    from fakegrad_patch._core.touchpoints import targets
 
     result: dict[str, Any] = {"scenario": scenario}
     if scenario == "startup":

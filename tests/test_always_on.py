@@ -144,7 +144,7 @@ def earlier_modes_hidden() -> Any:
     ``.grad``) keeps the wrapper in place, by design, for as long as it lives: xdist decides
     which files ran before this one. Hidden from the patch's registry for the test, registered
     again after (those still alive)."""
-    from fakegrad_patch._core import sites
+    from fakegrad_patch._core.touchpoints import sites
 
     gc.collect()
     hidden = [r for r in sites.modes.values() if r() is not None]

@@ -16,8 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeT
 
 import fakegrad_patch
 from fakegrad_patch import trace
-from fakegrad_patch._core import probes as _probes
-from fakegrad_patch._core import targets as _targets
+from fakegrad_patch._core.touchpoints import probes as _probes
+from fakegrad_patch._core.touchpoints import targets as _targets
 
 PACKAGE = pathlib.Path(fakegrad_patch.__file__).parent
 
@@ -165,7 +165,7 @@ def test_name_parameters_is_weak() -> None:
     gc.collect()  # names of other tests' dead parameters must not count below
     model = torch.nn.Linear(2, 2)
     assert fakegrad_patch.name_parameters(model, prefix="enc") == 2
-    from fakegrad_patch._core import leaves as _leaves
+    from fakegrad_patch._core.convert import leaves as _leaves
 
     assert _leaves.name_of(model.weight) == "enc.weight"
     before = len(_leaves._names)
@@ -198,7 +198,7 @@ def _private_torch_uses(path: pathlib.Path) -> list[str]:
 #: Not patch code: the demo is a user program and imports FakeTensorMode the way users do.
 USER_PROGRAMS = {"_tools/demo.py"}
 #: the one module allowed to touch private torch names
-TARGETS_MODULE = "_core/targets.py"
+TARGETS_MODULE = "_core/touchpoints/targets.py"
 
 
 def test_private_torch_is_touched_only_in_targets_module() -> None:
@@ -214,8 +214,8 @@ def test_private_torch_is_touched_only_in_targets_module() -> None:
             offenders[name] = uses
     # every part of the package was read (a moved module must not escape the check)
     assert {
-        "_core/values.py",
-        "_core/arming.py",
+        "_core/convert/values.py",
+        "_core/accumulate/arming.py",
         "trace/__init__.py",
         "_tools/verify.py",
     } <= scanned

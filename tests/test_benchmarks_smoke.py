@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from fakegrad_patch._core import profiling
+from fakegrad_patch._core.accumulate import profiling
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"

@@ -89,7 +89,7 @@ def forced(monkeypatch: pytest.MonkeyPatch) -> _Rendezvous:
     """Make concurrent writes to one ``.grad`` interleave inside the critical section: after
     the prior gradient was read (set path: before the adopt-or-copy decision) and inside the
     in-place add into a real prior (a read-modify-write that waits for the others)."""
-    from fakegrad_patch._core import accumulate as _accumulate
+    from fakegrad_patch._core.accumulate import hooks as _accumulate
 
     meet = _Rendezvous(2)
     can_adopt = _accumulate.Materializer._can_adopt

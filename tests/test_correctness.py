@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fakegrad_patch
 from fakegrad_patch._core import install as _patch
-from fakegrad_patch._core import probes as _probes
+from fakegrad_patch._core.touchpoints import probes as _probes
 
 propagating = pytest.mark.usefixtures("propagate")
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from fakegrad_patch import trace
-from fakegrad_patch._core import targets as _targets
+from fakegrad_patch._core.touchpoints import targets as _targets
 from fakegrad_patch._tools import doctor as _doctor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,7 +298,7 @@ def test_doctor_lists_the_buffers_option_and_whether_write_back_is_available() -
 
 
 def test_doctor_says_when_upstream_is_fixed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fakegrad_patch._core import probes as _probes
+    from fakegrad_patch._core.touchpoints import probes as _probes
 
     monkeypatch.setitem(_probes._results, _probes.D1.key, False)
     rendered = _doctor.render(_doctor.collect())

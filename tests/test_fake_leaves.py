@@ -19,8 +19,8 @@ from torch.func import functional_call
 
 import fakegrad_patch
 from fakegrad_patch import trace
-from fakegrad_patch._core import fakeleaves as _fakeleaves
-from fakegrad_patch._core import probes as _probes
+from fakegrad_patch._core.convert import fakeleaves as _fakeleaves
+from fakegrad_patch._core.touchpoints import probes as _probes
 
 
 def _current() -> fakegrad_patch._core.install._Applied:

@@ -23,7 +23,7 @@ from _helpers import fake_mode, is_real
 
 import fakegrad_patch
 from fakegrad_patch import trace
-from fakegrad_patch._core import probes as _probes
+from fakegrad_patch._core.touchpoints import probes as _probes
 
 pytestmark = pytest.mark.usefixtures("propagate")
 

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import fakegrad_patch
-from fakegrad_patch._core import profiling
+from fakegrad_patch._core.accumulate import profiling
 
 pytestmark = pytest.mark.skipif(
     not profiling.available(), reason="this torch lacks the profiler touch points"

@@ -16,10 +16,10 @@ import pytest
 import torch
 from _helpers import fake_mode, is_real
 
-from fakegrad_patch._core import arming as _arming
-from fakegrad_patch._core import leaves as _leaves
-from fakegrad_patch._core import values as _values
 from fakegrad_patch._core import weak as _weak
+from fakegrad_patch._core.accumulate import arming as _arming
+from fakegrad_patch._core.convert import leaves as _leaves
+from fakegrad_patch._core.convert import values as _values
 
 pytestmark = pytest.mark.usefixtures("propagate")
 

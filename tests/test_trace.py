@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import fakegrad_patch
 from fakegrad_patch import trace
 from fakegrad_patch._core import install as _patch
-from fakegrad_patch._core.targets import FROM_REAL_TENSOR, MissingTargetError
+from fakegrad_patch._core.touchpoints.targets import FROM_REAL_TENSOR, MissingTargetError
 
 ENVELOPE = {"event", "level", "timestamp", "schema", "pid", "tid"}
 LEAF_KEYS = {"leaf_id", "name", "shape", "dtype", "device"}

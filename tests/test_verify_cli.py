@@ -24,8 +24,8 @@ ZOO = ROOT / "tests" / "_zoo.py"
 BROKEN = textwrap.dedent(
     """
     import torch
-    from fakegrad_patch._core import leaves as _leaves
-    from fakegrad_patch._core.accumulate import Materializer
+    from fakegrad_patch._core.convert import leaves as _leaves
+    from fakegrad_patch._core.accumulate.hooks import Materializer
 
     CORRUPT = {"0.weight", "2.bias"}
     _original = Materializer._write
@@ -212,8 +212,8 @@ INNER = textwrap.dedent(
     import torch
 
     import fakegrad_patch
-    from fakegrad_patch._core import leaves as _leaves
-    from fakegrad_patch._core.accumulate import Materializer
+    from fakegrad_patch._core.convert import leaves as _leaves
+    from fakegrad_patch._core.accumulate.hooks import Materializer
 
     def _model():
         torch.manual_seed(0)

@@ -29,7 +29,7 @@ else:
 
 from .. import _config, trace
 from .state import set_current, warn_once
-from .targets import FAKE_TENSOR_MODULE, FROM_REAL_TENSOR, MissingTargetError
+from .touchpoints.targets import FAKE_TENSOR_MODULE, FROM_REAL_TENSOR, MissingTargetError
 
 _ATTR = FROM_REAL_TENSOR.qualname.rsplit(".", 1)[1]  # "from_real_tensor"
 
@@ -214,7 +214,7 @@ def _remove(applied: _Applied) -> None:
 def _why_missing(exc: MissingTargetError, torch_version: str) -> str:
     """Builds older than the oldest supported one lack propagation altogether: say that, not
     "internals changed"."""
-    from .targets import PROPAGATE_CONFIG, TESTED_TORCH
+    from .touchpoints.targets import PROPAGATE_CONFIG, TESTED_TORCH
 
     release = tuple(int(p) for p in torch_version.split("+")[0].split(".")[:2] if p.isdigit())
     oldest = tuple(int(p) for p in TESTED_TORCH[0].split(".")[:2])
@@ -257,7 +257,7 @@ def release_hooks() -> int:
     nothing to release. What can remain: hooks armed by ``uninstall()`` for graphs built while
     the patch was installed (they die with their graph), and the hooks of backward calls running
     in other threads right now (those then finish with upstream behaviour)."""
-    arming = sys.modules.get(__package__ + ".arming")
+    arming = sys.modules.get(__package__ + ".accumulate.arming")
     removed = arming.release_all() if arming is not None else 0
     if trace.enabled(trace.INFO):
         trace.emit("hooks_released", trace.INFO, hooks_removed=removed)
@@ -316,7 +316,7 @@ def _lost_count() -> int:
 
 def _armed_count() -> int:
     """Hooks of the patch on live nodes, armed by this or an earlier installation."""
-    arming = sys.modules.get(__package__ + ".arming")
+    arming = sys.modules.get(__package__ + ".accumulate.arming")
     return arming.armed_count() if arming is not None else 0
 
 
@@ -377,16 +377,16 @@ class _Applied:
     def __init__(self) -> None:
         import torch
 
-        from . import accumulate as _accumulate
-        from . import arming as _arming
-        from . import fakeleaves as _fakeleaves
-        from . import mismatch as _mismatch
-        from . import probes as _probes
-        from . import records as _records
-        from . import sites as _sites
-        from . import targets as _targets
-        from . import values as _values
+        from .accumulate import arming as _arming
+        from .accumulate import hooks as _accumulate
+        from .convert import fakeleaves as _fakeleaves
+        from .convert import records as _records
+        from .convert import values as _values
+        from .dispatch import mismatch as _mismatch
         from .dispatch.wrapper import Dispatcher
+        from .touchpoints import probes as _probes
+        from .touchpoints import sites as _sites
+        from .touchpoints import targets as _targets
 
         self._torch = torch
         self.resolved = _targets.resolve_all()
@@ -452,7 +452,7 @@ class _Applied:
         self._wrapper: Any = cls.__dict__[_ATTR]
         self._original: Any = self._wrapper.__wrapped__
 
-        from . import ddp as _ddp
+        from .accumulate import ddp as _ddp
 
         self._ddp = _ddp
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
@@ -513,7 +513,7 @@ class _Applied:
         return arming
 
     def _prepare(self) -> tuple[bool, bool, Any]:
-        from .probes import D1, POST_HOOKS
+        from .touchpoints.probes import D1, POST_HOOKS
 
         if not self.probes.has(D1):
             if trace.enabled(trace.INFO):
@@ -534,7 +534,7 @@ class _Applied:
         gradient nobody else holds (``(w * w).sum()``), once for one the caller keeps and autograd
         hands on unchanged (``w.clone().backward(g)``). The first is the baseline; when the second
         is not told apart from it, zero-copy stays off."""
-        from .accumulate import AdoptBaseline
+        from .accumulate.hooks import AdoptBaseline
 
         torch = self._torch
         r = self.resolved
@@ -643,8 +643,8 @@ class _Applied:
         backward calls running now keep their hooks until they return, and the leaves of every
         live propagating converter's records get hooks that last until their node dies. Returns
         how many hooks are left to finish."""
-        from . import records as _records
-        from . import values as _values
+        from .convert import records as _records
+        from .convert import values as _values
 
         self._active = False
         self.values.active = False

@@ -29,7 +29,7 @@ from typing import Any
 from .. import _config
 from .._activation import startup as _startup
 from .._activation.sitecustomize import find_sitecustomize
-from .._core import targets as _targets
+from .._core.touchpoints import targets as _targets
 
 #: The distribution name on PyPI (``import fakegrad_patch`` is its import name).
 DISTRIBUTION = "fakegrad-patch"
@@ -290,7 +290,7 @@ def torch_checks() -> dict[str, Any]:
         if applied is not None:
             result["defects"] = applied.probes.detected()
         else:
-            from .._core import probes as _probes
+            from .._core.touchpoints import probes as _probes
 
             result["defects"] = _probes.Probes(_targets.resolve_all()).detected()
     except Exception as exc:

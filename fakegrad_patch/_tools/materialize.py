@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from .. import _config, trace
-from .._core import targets as _targets
-from .._core.accumulate import (
+from .._core.touchpoints import targets as _targets
+from .._core.accumulate.hooks import (
     empty_like_contract,
     is_non_overlapping_and_dense,
     obeys_layout_contract,

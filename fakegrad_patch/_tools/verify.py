@@ -27,8 +27,8 @@ import torch
 
 from .. import _config, trace
 from .._core import install as _install
-from .._core import leaves as _leaves
-from .._core import targets as _targets
+from .._core.convert import leaves as _leaves
+from .._core.touchpoints import targets as _targets
 from .materialize import materialize
 from .verify_report import BufferReport, ParamReport, VerifyReport
 
@@ -287,7 +287,7 @@ class _Run:
                 loss.backward()
                 real = materialize(loss.detach(), on_missing="drop")
         except Exception as exc:
-            from .._core.mismatch import describe
+            from .._core.dispatch.mismatch import describe
 
             info = describe(exc)
             if info is not None:

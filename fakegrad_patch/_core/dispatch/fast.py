@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import targets as _targets
+from ..touchpoints import targets as _targets
 from .ops import OpFacts
 from .stats import Stats
 from .tensors import (

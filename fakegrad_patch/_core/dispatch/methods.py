@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .. import sites as _sites
-from .. import targets as _targets
+from ..touchpoints import sites as _sites
+from ..touchpoints import targets as _targets
 from ..typing import InternalErrors, RetainedArmer
 from .stats import Settings
 

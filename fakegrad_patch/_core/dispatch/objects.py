@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from ... import trace
-from .. import leaves as _leaves
-from .. import sites as _sites
+from ..convert import leaves as _leaves
+from ..touchpoints import sites as _sites
 from ..typing import InternalErrors
 from .standins import report_fake_state, report_lost
 from .tensors import private_copy

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import targets as _targets
+from ..touchpoints import targets as _targets
 
 
 class Kind(enum.Enum):

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from .. import sites as _sites
-from .. import targets as _targets
+from ..touchpoints import sites as _sites
+from ..touchpoints import targets as _targets
 from .fast import NOT_FAST, FastPath
 from .stats import Stats
 from .tensors import CannotRebuild, convert_op_input, convertible, tensors_in

@@ -13,7 +13,7 @@ import weakref
 from typing import Any
 
 from ... import trace
-from .. import leaves as _leaves
+from ..convert import leaves as _leaves
 from ..state import warn_once
 from .tensors import storage_ptr
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .. import state as _state
-from .. import targets as _targets
+from ..touchpoints import targets as _targets
 
 set_conj, set_neg, is_zero = _targets.value_bit_tools()
 #: the tensor types the fast path converts itself (a subclass keeps upstream's path)

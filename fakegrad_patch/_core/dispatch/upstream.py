@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .. import targets as _targets
+from ..touchpoints import targets as _targets
 from ..typing import MismatchReporter
 from .fast import FastPath
 from .ops import OpFacts

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from ... import trace
-from .. import leaves as _leaves
 from .. import state as _state
+from ..convert import leaves as _leaves
 from ..typing import CopyRefresher
 from .aliases import Aliases
 from .frames import Frame, Frames

@@ -21,8 +21,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .. import sites as _sites
-from .. import targets as _targets
+from ..touchpoints import sites as _sites
+from ..touchpoints import targets as _targets
 from ..typing import CopyRefresher, InternalErrors, MismatchReporter, RetainedArmer
 from .aliases import Aliases
 from .fallback import Fallback

@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from .. import _config, trace
-from .._errors import FakeGradError, FakeGradPatchWarning
-from . import leaves as _leaves
+from ... import _config, trace
+from ..._errors import FakeGradError, FakeGradPatchWarning
+from ..convert import leaves as _leaves
+from ..state import warn_once
+from ..touchpoints.targets import Resolved
+from ..weak import WeakIdTable
 from . import profiling as _profiling
-from .state import warn_once
-from .targets import Resolved
-from .weak import WeakIdTable
 
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
@@ -542,7 +542,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def describe(leaf: torch.Tensor) -> str:
     """``name (shape, dtype, device)`` of a leaf, for messages."""
-    from . import leaves as _leaves
+    from ..convert import leaves as _leaves
 
     name = _leaves.name_of(leaf)
     prefix = f"{name!r} " if name else ""

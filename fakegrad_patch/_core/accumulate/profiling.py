@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from . import targets as _targets
+from ..touchpoints import targets as _targets
 
 ARM = "fakegrad_patch::arm"
 DISARM = "fakegrad_patch::disarm"

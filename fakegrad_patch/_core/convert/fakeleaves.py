@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import trace
-from .._errors import FakeGradError, FakeGradPatchWarning
-from . import leaves as _leaves
-from . import targets as _targets
-from .accumulate import (
+from ... import trace
+from ..._errors import FakeGradError, FakeGradPatchWarning
+from ..accumulate.hooks import (
     Materializer,
 )
+from ..touchpoints import targets as _targets
+from . import leaves as _leaves
 
 _lock = threading.RLock()
 
@@ -105,7 +105,7 @@ class FakeLeaves:
     """Per-installation driver, called by the converter wrapper for every conversion."""
 
     def __init__(self, applied: Any) -> None:
-        from . import probes as _probes
+        from ..touchpoints import probes as _probes
 
         self._applied = applied
         self._resolved: _targets.Resolved = applied.resolved
@@ -213,7 +213,7 @@ def mirror_to_sources(mode: Any) -> Iterator[None]:
     again inside the block arms the same fake), and gradients accumulated into them before the
     block ends.
     """
-    from .state import current, warn_once
+    from ..state import current, warn_once
 
     applied = current()
     if applied is None:

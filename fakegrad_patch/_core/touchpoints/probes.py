@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import trace
+from ... import trace
 from .targets import Resolved
 
 _local = threading.local()

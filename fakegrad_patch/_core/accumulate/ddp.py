@@ -58,7 +58,7 @@ from typing import Any
 
 import wrapt
 
-from .. import trace
+from ... import trace
 
 
 class _State:
@@ -90,7 +90,7 @@ def install(resolved: Any = None) -> bool:
 
     Import first, then lock (issue 40): the targets are resolved (``torch.distributed``, DDP's
     module: imports) before the lock is taken; under it the wrappers are only put in place."""
-    from . import targets as _targets
+    from ..touchpoints import targets as _targets
 
     if _state.targets is not None:
         return True
@@ -150,7 +150,7 @@ def _wrap_fsdp() -> None:
     the module is loaded, else when it is imported. Never raises, never waits for the lock: the
     class is resolved first (an import: the caller may wait for another thread's import of the
     module, holding no lock of ours), then wrapped by whoever holds the lock (:func:`_settle`)."""
-    from . import targets as _targets
+    from ..touchpoints import targets as _targets
 
     if _state.targets is None or _state.fsdp_wrapped:
         return
@@ -215,7 +215,7 @@ def _warn_missing(reason: str, what: str = "DistributedDataParallel") -> None:
     if what in _state.warned:
         return
     _state.warned.add(what)
-    from .state import warn_once
+    from ..state import warn_once
 
     warn_once(
         f"ddp:{what}",

@@ -51,12 +51,12 @@ from typing import Any
 import torch
 import wrapt
 
-from .. import _config, trace
-from . import leaves as _leaves
+from ... import _config, trace
+from ..convert import leaves as _leaves
+from ..touchpoints.probes import bypassed
+from ..touchpoints.targets import Resolved
+from ..weak import WeakIdTable
 from . import profiling as _profiling
-from .probes import bypassed
-from .targets import Resolved
-from .weak import WeakIdTable
 
 #: The one lock of arming: taken once per armed backward call (a batch of leaves), never by a
 #: gradient write.

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .. import trace
+from ... import trace
+from ..weak import WeakIdTable
 from . import leaves as _leaves
-from .weak import WeakIdTable
 
 #: converter -> (real source root -> (weak ref to the fake root, data pointer of its propagated
 #: storage, source version when synced))

@@ -40,12 +40,12 @@ from typing import Any
 
 import torch
 
-from .. import _config, trace
+from ... import _config, trace
+from .. import state as _state
+from ..touchpoints.probes import D2, FOREIGN_FAKE, bypassed
+from ..weak import WeakIdTable
 from . import leaves as _leaves
 from . import records as _records
-from . import state as _state
-from .probes import D2, FOREIGN_FAKE, bypassed
-from .weak import WeakIdTable
 
 #: converter -> the generation in which its earlier conversions were last checked
 _contacts: WeakIdTable[int] = WeakIdTable()

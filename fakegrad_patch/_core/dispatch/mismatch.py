@@ -22,7 +22,7 @@ import re
 import sys
 from typing import Any
 
-from .. import trace
+from ... import trace
 
 #: The ops whose CPU fake kernels return their statistics in the input dtype.
 NORM_OPS = (

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .weak import WeakIdTable
+from ..weak import WeakIdTable
 
 #: Guards the registries below while they are written: table operations only, never an import
 #: or a call out (issue 40). Not a leaf's write lock (:func:`leaf_lock`).

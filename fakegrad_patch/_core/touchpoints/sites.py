@@ -22,7 +22,7 @@ import threading
 import weakref
 from typing import Any
 
-from .. import trace
+from ... import trace
 
 #: Propagating modes seen alive by any installation: id(mode) -> weak reference (its callback
 #: removes the entry). Process-wide, so a mode built while one installation was applied keeps a
@@ -226,7 +226,7 @@ class HookSite(_Follower):
 
 
 def _rewrapped(owner: Any, attr: str, lost: str, *, before: bool) -> None:
-    from .state import warn_once
+    from ..state import warn_once
 
     name = f"{getattr(owner, '__name__', owner)}.{attr}"
     if before:
