@@ -19,7 +19,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
 import fakegrad_patch
-from fakegrad_patch._core import install as _patch
 from fakegrad_patch._core.touchpoints import probes as _probes
 
 propagating = pytest.mark.usefixtures("propagate")
@@ -632,7 +631,9 @@ def test_stands_aside_on_a_build_without_d1(monkeypatch: pytest.MonkeyPatch) -> 
     installation then arms nothing, says so, and the wrapper does no per-leaf work."""
     fakegrad_patch.uninstall()
     monkeypatch.setitem(_probes._results, _probes.D1.key, False)
-    monkeypatch.setattr(_patch._state, "prepared", None)
+    from fakegrad_patch._core.install import first_need
+
+    monkeypatch.setattr(first_need._Prepared, "value", None)
     fakegrad_patch.install()
     try:
         w = torch.randn(3, requires_grad=True)
@@ -649,7 +650,7 @@ def test_stands_aside_on_a_build_without_d1(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         fakegrad_patch.uninstall()
         monkeypatch.undo()
-        _patch._state.prepared = None
+        first_need._Prepared.value = None
         fakegrad_patch.install()
 
 

@@ -282,7 +282,9 @@ def test_skipped_patch_event(monkeypatch: pytest.MonkeyPatch) -> None:
         raise MissingTargetError(FROM_REAL_TENSOR, "gone in this build")
 
     fakegrad_patch.uninstall()
-    monkeypatch.setattr(_patch, "_Applied", missing)
+    from fakegrad_patch._core.install import applied as _applied
+
+    monkeypatch.setattr(_applied, "Applied", missing)
     try:
         with warnings.catch_warnings(), trace.capture("info") as captured:
             warnings.simplefilter("ignore", fakegrad_patch.FakeGradPatchWarning)

@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch._functorch.config as functorch_config
 from _helpers import assert_verified
-from fakegrad_patch._core.accumulate.hooks import Materializer
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import fakegrad_patch
 from fakegrad_patch import trace
+from fakegrad_patch._core.accumulate.hooks import Materializer
 from fakegrad_patch._core.convert import leaves as _leaves
 from fakegrad_patch._core.touchpoints import probes as _probes
 from fakegrad_patch._tools.verify import DEFAULT_TOLERANCES, VerifyError

@@ -31,12 +31,12 @@ def warn_once(key: str, message: str, *, stacklevel: int = 3) -> None:
 
 
 class _Current:
-    #: the installation in force (an ``install._Applied``), or None
+    #: the installation in force (an ``install.applied.Applied``), or None
     applied: Any = None
 
 
 def current() -> Any:
-    """The installation in force (``install._Applied``), or None when the patch is not applied."""
+    """The installation in force (``install.applied.Applied``), or None (not applied)."""
     return _Current.applied
 
 

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from .. import _config, trace
-from .._core.touchpoints import targets as _targets
 from .._core.accumulate.hooks import (
     empty_like_contract,
     is_non_overlapping_and_dense,
     obeys_layout_contract,
 )
+from .._core.touchpoints import targets as _targets
 from .._errors import FakeGradError
 
 

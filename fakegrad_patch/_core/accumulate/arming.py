@@ -106,7 +106,7 @@ class Arming:
         ):
             # Tensor.backward's call on a real root with a real or no gradient, outside any fake
             # mode: nothing to arm (what _arm_call would find), only DDP's scope to check
-            scope = self._applied._ddp.backward_scope()
+            scope = self._applied.ddp.backward_scope()
             if scope is None:
                 return wrapped(*args, **kwargs)
             with scope:
@@ -120,7 +120,7 @@ class Arming:
             self._applied.internal_error("backward", exc)
         # DDP inside a fake mode: its Reducer runs with the mode popped (see _ddp); None (no
         # context, no extra Python frame) when no DDP forward ever ran in a fake mode.
-        scope = self._applied._ddp.backward_scope()
+        scope = self._applied.ddp.backward_scope()
         try:
             if scope is None:
                 return wrapped(*args, **kwargs)

@@ -37,10 +37,10 @@ reduce-scatter.
 
 Contract with the core (three call sites, all in fakegrad_patch/_core/install.py):
 
-* ``install(resolved)``: when the patch is applied (``_Applied.__init__``, after
+* ``install(resolved)``: when the patch is applied (``Applied.__init__``, after
   ``_targets.resolve_all()``). Never raises; returns True when DDP is covered. A build where a DDP
   target is missing (torch.distributed available) leaves DDP to upstream with one warning.
-* ``remove()``: from ``_Applied.remove()``. Unwraps what ``install`` wrapped. Never raises.
+* ``remove()``: from ``Applied.remove()``. Unwraps what ``install`` wrapped. Never raises.
 * ``backward_scope()``: in the ``torch.autograd.backward`` wrapper, around the call of the
   wrapped (original) function, for *every* backward: ``with _ddp.backward_scope(): return
   wrapped(*args, **kwargs)``. It must enclose the engine call itself (the graph task captures the

@@ -105,7 +105,7 @@ class AdoptBaseline:
     """Reference counts seen on the zero-copy test for a gradient that provably nobody else
     holds: the fake gradient autograd hands to AccumulateGrad (TensorImpl uses, Python references)
     and its propagated buffer (TensorImpl uses, Python references). Measured by a calibration probe
-    through the real hook path on the running build and Python (``_Applied._calibrate``), never
+    through the real hook path on the running build and Python (``FirstNeed._calibrate``), never
     assumed: anything above these means someone else can see the gradient or the buffer, and we
     copy. Like AccumulateGrad (``is_tensor_stealable``), storage shared by a view is not a reason
     to copy: the propagated computation aliases exactly where the eager one does."""

@@ -174,7 +174,7 @@ class FakeLeaves:
             if mirror is None or not mirror.active or not is_fake(grad):
                 return None
             source = source_ref()
-            if source is None or not applied._active:
+            if source is None or not applied.active:
                 return None
             if trace.enabled(trace.INFO):
                 propagated = real_of(grad) is not None

@@ -68,6 +68,15 @@ def new_generation() -> None:
     _Generation.value += 1
 
 
+def generation() -> int:
+    """Bumped by every ``uninstall()``: conversions may have happened unseen since."""
+    return _Generation.value
+
+
+def taint_count() -> int:
+    return len(_tainted)
+
+
 def tainted(mode: Any) -> bool:
     return len(_tainted) > 0 and mode in _tainted
 
@@ -103,7 +112,7 @@ class Values:
         self._real_of = resolved.real_of
         self.active = True
         #: ``on_missing`` set explicitly: conversions by modes without real values matter too
-        #: (kept by ``_Applied.apply_settings``; the early exit reads it)
+        #: (kept by ``Applied.apply_settings``; the early exit reads it)
         self.plain_policy = False
         #: probe D2, read at the first propagating conversion
         self._d2: bool | None = None

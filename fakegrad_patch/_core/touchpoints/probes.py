@@ -25,7 +25,7 @@ def bypassed() -> bool:
 
 
 @contextlib.contextmanager
-def _bypass() -> Iterator[None]:
+def bypass() -> Iterator[None]:
     _local.bypass = True
     try:
         yield
@@ -148,7 +148,7 @@ class Probes:
     def _fake_grad_in_real_leaf(self) -> bool:
         expected = torch.tensor([2.0, 4.0, 6.0])
         propagate = self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True)
-        with self._r.disable_current_modes(), torch.enable_grad(), propagate, _bypass():
+        with self._r.disable_current_modes(), torch.enable_grad(), propagate, bypass():
             leaf = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
             with self._r.fake_mode_cls(allow_non_fake_inputs=True):
                 (leaf * leaf).sum().backward()
@@ -162,7 +162,7 @@ class Probes:
 
     def _probe_post_hooks_skipped(self) -> bool:
         ran: list[bool] = []
-        with self._r.disable_current_modes(), torch.enable_grad(), _bypass():
+        with self._r.disable_current_modes(), torch.enable_grad(), bypass():
             leaf = torch.zeros(2, requires_grad=True)
             leaf.register_post_accumulate_grad_hook(lambda _t: ran.append(True))
             out = (leaf * 2).sum()
@@ -177,7 +177,7 @@ class Probes:
             self._r.disable_current_modes(),
             torch.no_grad(),
             self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
-            _bypass(),
+            bypass(),
         ):
             source = torch.nn.Parameter(values.clone())
             mode = self._r.fake_mode_cls()
@@ -195,7 +195,7 @@ class Probes:
             self._r.disable_current_modes(),
             torch.no_grad(),
             self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
-            _bypass(),
+            bypass(),
         ):
             keep = []
             for values in (
@@ -220,7 +220,7 @@ class Probes:
             self._r.disable_current_modes(),
             torch.no_grad(),
             self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
-            _bypass(),
+            bypass(),
         ):
             base = torch.linspace(-2.5, 4.0, 120)
             cases = [
