@@ -135,8 +135,8 @@ def stress(threads: int = 3, steps: int = 20, timeout_s: float = 60.0) -> dict[s
     ``FakeTensorMode``) while another thread re-installs the patch (``uninstall()`` then
     ``install()`` at once): every 50 ms until the first step ends (a fresh interpreter: while
     the trainers' first ``FakeTensorMode`` imports ``torch._dynamo``), then after every
-    ``4 * threads`` steps, so that the steps are long against the toggling whatever the
-    machine's load. A step is *wholly installed* when the patch was installed when it started
+    ``4 * threads`` steps (polled every 2 ms), so that the steps are long against the toggling
+    whatever the machine's load, and the toggles happen however fast the steps are. A step is *wholly installed* when the patch was installed when it started
     and when it ended, with no ``install()``/``uninstall()`` call in between: its gradients must
     be real and exact. Any other step may get upstream's (fake) gradients or none (on a D2
     build a forward that straddled ``uninstall()`` is refused), never a wrong real one. Returns
@@ -167,7 +167,10 @@ def stress(threads: int = 3, steps: int = 20, timeout_s: float = 60.0) -> dict[s
 
     def toggler() -> None:
         last = 0
-        while not stop.wait(0.05):
+        # 50 ms while nothing has finished (a fresh interpreter's first import), then 2 ms: a
+        # step takes longer than that on any machine, so the toggles follow the step count
+        # (one per 4 * threads steps) rather than the clock.
+        while not stop.wait(0.002 if counts["steps"] else 0.05):
             done = counts["steps"]
             if done and done - last < 4 * threads:
                 continue

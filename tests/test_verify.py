@@ -166,7 +166,7 @@ def _break_materializer(
         if name in names:
             calls[name] = calls.get(name, 0) + 1
             if calls[name] >= from_step:
-                with self._r.no_dispatch(), torch.no_grad():
+                with self._resolved.no_dispatch(), torch.no_grad():
                     corrupt(leaf)
         return outcome
 

@@ -33,7 +33,7 @@ BROKEN = textwrap.dedent(
     def _broken(self, leaf, *args, **kwargs):
         outcome = _original(self, leaf, *args, **kwargs)
         if _leaves.name_of(leaf) in CORRUPT:
-            with self._r.no_dispatch(), torch.no_grad():
+            with self._resolved.no_dispatch(), torch.no_grad():
                 leaf.grad.add_(1.0)
         return outcome
 
@@ -231,7 +231,7 @@ INNER = textwrap.dedent(
         def broken(self, leaf, *args, **kwargs):
             outcome = original(self, leaf, *args, **kwargs)
             if _leaves.name_of(leaf) == "2.weight":
-                with self._r.no_dispatch(), torch.no_grad():
+                with self._resolved.no_dispatch(), torch.no_grad():
                     leaf.grad.mul_(3.0)
             return outcome
         monkeypatch.setattr(Materializer, "_write", broken)

@@ -1,16 +1,21 @@
-"""The fix itself: what the patch puts into torch and what runs there.
+"""The fix itself: what the patch puts into torch and what runs there, in the order a real tensor,
+an op and a gradient meet it (docs/how-it-works.md, "The house"):
 
-Layers, lowest first (imports only go down; tests/test_layout.py):
+* ``install/``: ``install()``/``uninstall()``/``configure()``/``status()`` (``__init__``), one
+  application of the patch that builds the parts and puts their wrappers in place
+  (``applied``), and what is measured at first need (``first_need``);
+* ``touchpoints/``: every private torch touch point with its banner (``targets``), the behaviour
+  probes (``probes``), and the wrappers put in place only while needed (``sites``);
+* ``convert/``: real tensors entering a propagating mode: the converter wrapper (``values``),
+  the records of conversions and copies (``records``), per-leaf bookkeeping (``leaves``) and
+  ``from_tensor`` fake leaves (``fakeleaves``);
+* ``dispatch/``: every op of a propagating user mode: the one wrapper of
+  ``FakeTensorMode.dispatch`` (``wrapper``) and the parts it calls (the fast path, upstream's
+  path with its repairs, nested ops, refused ops, methods, the write-back watch);
+* ``accumulate/``: gradients reaching real leaves: the backward interception (``arming``), the
+  AccumulateGrad pre-hook (``hooks``), DDP/FSDP2 inside a mode (``ddp``), profiler ranges;
+* ``state``, ``weak``, ``typing``: what every part may read: the one warning per process and
+  the installation in force, the O(1) weak registries, the narrow collaborators' Protocols.
 
-* ``state``, ``weak``, ``targets``: the one-warning-per-process helper and the installation in
-  force, the O(1) weak registries, and every private torch touch point (with its banner);
-* ``leaves``, ``probes``: per-leaf bookkeeping (names, write locks, managed gradients) and the
-  behaviour probes (D1, D2, D4, D5, P1);
-* ``values`` (the converter wrapper), ``arming`` (the backward interception), ``accumulate``
-  (the AccumulateGrad rule), ``writeback`` (in-place updates of real tensors inside a mode),
-  ``ddp`` (DistributedDataParallel and FSDP2 inside a mode), ``mismatch`` (propagation's
-  metadata errors said plainly);
-* ``fakeleaves``: ``from_tensor`` fake leaves (grad-copy repair, ``mirror_to_sources``);
-* ``install``: ``install()``/``uninstall()``/``configure()``/``patched()``, which build and remove
-  all of the above.
+Imports only go down (tests/test_layout.py ranks every module).
 """

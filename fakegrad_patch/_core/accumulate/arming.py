@@ -76,7 +76,7 @@ class Arming:
     """One installation's arming: the backward wrapper and the hook bookkeeping."""
 
     def __init__(self, resolved: Resolved, prehooks: PreHookFactory, applied: Any) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._prehooks = prehooks
         self._applied = applied
         self._is_fake = resolved.is_fake
@@ -128,7 +128,7 @@ class Arming:
                 return wrapped(*args, **kwargs)
         finally:
             if token is not None:
-                span = _profiling.begin(_profiling.DISARM)  # issue 27: None unless profiling
+                span = _profiling.begin(_profiling.DISARM)  # None unless profiling
                 self.disarm(token)
                 _profiling.end(span)
 
@@ -157,7 +157,7 @@ class Arming:
             any(getattr(m, "propagate_real_tensors", False) for m in modes)
             or _config.current().on_missing_explicit
         ):
-            return None  # upstream's behaviour where no real values exist (issue 17)
+            return None  # upstream's behaviour where no real values exist
         if self._tracing():
             return None
         if not self._applied.ready():
@@ -165,7 +165,7 @@ class Arming:
         values = self._applied.values
         for mode in modes:
             values.check_mode(mode)
-        span = _profiling.begin(_profiling.ARM)  # issue 27: None unless a profiler records
+        span = _profiling.begin(_profiling.ARM)  # None unless a profiler records
         try:
             pairs, keep = self.collect(roots)
             for t in roots:
@@ -191,7 +191,7 @@ class Arming:
             if fn is not None:
                 stack.append(fn)
             elif not is_fake(t):
-                node = self._r.grad_accumulator(t)
+                node = self._resolved.grad_accumulator(t)
                 if node is not None:
                     keep.append(node)
                     pairs.append((t, node))
@@ -217,7 +217,7 @@ class Arming:
         """Hook every node of ``pairs`` for one backward call; returns the token for disarm.
 
         Per leaf only torch's ``register_prehook`` and a few dict and list operations: the hooks
-        are looked up, and the leaves' gradients noted, by one call each (issue 27)."""
+        are looked up, and the leaves' gradients noted, by one call each."""
         leaves = [leaf for leaf, _node in pairs]
         hooks = self._prehooks(leaves)
         debug = trace.enabled(trace.DEBUG)
@@ -276,7 +276,7 @@ class Arming:
             else:
                 roots.append(t)
         pairs, keep = self.collect(roots)
-        get_node = self._r.grad_accumulator
+        get_node = self._resolved.grad_accumulator
         for leaf in leaves:
             # A leaf whose node is gone gets a fresh one that dies with this call, hook and all.
             node = get_node(leaf)
@@ -369,7 +369,7 @@ def armed_count() -> int:
         return len(_hooked) + sum(1 for h in _lasting if h.hooks_dict_ref() is not None)
 
 
-# -- where the interception is in place (issue 28) -----------------------------------------------
+# -- where the interception is in place -----------------------------------------------
 
 #: torch's own words (``torch.autograd.backward``; read on 2.13.0 and 2.14.1)
 _GRAD_VARIABLES_DEPRECATED = "`grad_variables` is deprecated. Use `grad_tensors` instead."

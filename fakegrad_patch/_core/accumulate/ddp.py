@@ -88,7 +88,7 @@ def install(resolved: Any = None) -> bool:
     """Wrap DDP's forward pieces now and FSDP2's when its module is imported (idempotent).
     False when DDP is left to upstream.
 
-    Import first, then lock (issue 40): the targets are resolved (``torch.distributed``, DDP's
+    Import first, then lock: the targets are resolved (``torch.distributed``, DDP's
     module: imports) before the lock is taken; under it the wrappers are only put in place."""
     from ..touchpoints import targets as _targets
 

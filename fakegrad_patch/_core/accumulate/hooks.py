@@ -159,7 +159,7 @@ class Materializer:
         note_grads: bool = False,
         untrusted: Any = None,
     ) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._adopt = adopt
         self._note_grads = note_grads
         #: ``untrusted(grad)``: True when the fake gradient was computed from propagated values
@@ -193,7 +193,7 @@ class Materializer:
         upstream does (policy ``keep``).
         """
         start = time.perf_counter()
-        if not self._r.is_fake(grad):
+        if not self._resolved.is_fake(grad):
             # A real gradient (a real ``grad_tensors`` passed on unchanged: ``(x + y).backward(g)``
             # inside the ``with`` block) while a fake mode is on the stack: AccumulateGrad's own
             # clone (or in-place add into a prior .grad) would be dispatched to that mode, giving
@@ -203,14 +203,14 @@ class Materializer:
         elif leaf.is_meta:
             # Shape-only analysis: a meta leaf has no data, so its gradient needs none either.
             # Upstream gives it a (fake) meta gradient; eager on meta gives a real meta one.
-            with self._r.no_dispatch(), torch.no_grad():
+            with self._resolved.no_dispatch(), torch.no_grad():
                 value = _empty_grad_for(leaf, grad)
             outcome = self._write(leaf, value, None, grad.dtype, "meta", fresh=True)
         else:
-            real = self._r.real_of(grad)
+            real = self._resolved.real_of(grad)
             if real is None:
                 if left_to_upstream(grad):
-                    return None  # no real values exist in this mode: upstream's (issue 17)
+                    return None  # no real values exist in this mode: upstream's
                 outcome = self._missing(leaf, grad, start, "none")
             elif self._untrusted is not None and self._untrusted(grad):
                 outcome = self._missing(leaf, grad, start, "untrusted")
@@ -233,7 +233,7 @@ class Materializer:
         if policy == "keep":
             return Outcome("keep", why)
         if policy == "zeros":
-            with self._r.no_dispatch(), torch.no_grad():
+            with self._resolved.no_dispatch(), torch.no_grad():
                 zeros = _empty_grad_for(leaf, grad).zero_()
             return self._write(leaf, zeros, None, grad.dtype, "zeros", fresh=True)
         if policy == "error":
@@ -267,7 +267,7 @@ class Materializer:
         *,
         fresh: bool = False,
     ) -> Outcome:
-        # The common case, a first gradient nobody else holds (issue 27: the set path's cost):
+        # The common case, a first gradient nobody else holds (the set path's cost):
         # the test and the assignment run no op (attribute reads, reference counts, the
         # ``.grad`` setter's own checks), so neither the dispatch guard nor no_grad is needed.
         # This is the only place the zero-copy test runs: the calibration probe takes this same
@@ -287,10 +287,10 @@ class Materializer:
         # Grad mode is on inside backward only with create_graph=True; then our own ops must not
         # be recorded (AccumulateGrad records ``prior + new`` only, which we do below).
         if torch.is_grad_enabled():
-            with self._r.no_dispatch(), torch.no_grad():
+            with self._resolved.no_dispatch(), torch.no_grad():
                 outcome = self._write_unguarded(leaf, value, grad_dtype, source, fresh, True)
         else:
-            with self._r.no_dispatch():
+            with self._resolved.no_dispatch():
                 outcome = self._write_unguarded(leaf, value, grad_dtype, source, fresh, False)
         if self._note_grads:
             _leaves.note_grad(leaf)
@@ -306,9 +306,9 @@ class Materializer:
         create_graph: bool,
     ) -> Outcome:
         prior = leaf.grad
-        if prior is not None and self._r.is_fake(prior):
+        if prior is not None and self._resolved.is_fake(prior):
             # Left by policy "keep" or by an unpatched run: its real values (if any) count.
-            prior_real = self._r.real_of(prior)
+            prior_real = self._resolved.real_of(prior)
             prior = None
             leaf.grad = None
             if prior_real is not None:
@@ -400,7 +400,7 @@ class Materializer:
         trace.emit_fields("fake_grad_" + outcome.action, level, fields, owned=True)
 
     def backward_id(self) -> int | None:
-        getter = self._r.graph_task_id
+        getter = self._resolved.graph_task_id
         if getter is None:
             return None
         task = getter()
@@ -411,19 +411,19 @@ class Hooks:
     """The AccumulateGrad pre-hook and the retained-non-leaf fix of one installation."""
 
     def __init__(self, resolved: Resolved, materializer: Materializer, applied: Any) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._materializer = materializer
         self._applied = applied
         #: set at first need (probe P1): run post-accumulate hooks ourselves
         self.post_hooks_skipped = False
         #: leaf -> its pre-hook, made at the leaf's first arming and reused by every later one
-        #: (issue 27: no closure, weak reference or lock lookup per leaf per backward)
+        #: (no closure, weak reference or lock lookup per leaf per backward)
         self._prehooks: WeakIdTable[Any] = WeakIdTable()
 
     def prehooks_for(self, leaves: list[torch.Tensor]) -> list[Any]:
         """Each leaf's pre-hook: the same function object for every backward call that arms it
         (held weakly by the leaf's entry, so it goes with the leaf). One call per armed backward
-        (issue 27: no Python frame per leaf)."""
+        (no Python frame per leaf)."""
         hooks = self._prehooks.get_many(leaves)
         for i, hook in enumerate(hooks):
             if hook is None:
@@ -435,9 +435,9 @@ class Hooks:
     def make_prehook(self, leaf: torch.Tensor) -> Any:
         """The pre-hook for ``leaf``'s AccumulateGrad node. It holds the leaf weakly and writes
         under the leaf's own lock (as ``AccumulateGrad::apply`` holds its node's mutex)."""
-        is_fake = self._r.is_fake
-        tracing = self._r.torch_is_tracing
-        fake_mode = self._r.current_fake_mode
+        is_fake = self._resolved.is_fake
+        tracing = self._resolved.torch_is_tracing
+        fake_mode = self._resolved.current_fake_mode
         materializer, applied = self._materializer, self._applied
         leaf_ref = weakref.ref(leaf)
         lock = _leaves.leaf_lock(leaf)
@@ -470,7 +470,7 @@ class Hooks:
                     applied.internal_error("materialize", exc)
                     return (None,)
                 if result is not None and self.post_hooks_skipped:
-                    hooks = self._r.post_accumulate_hooks(leaf)
+                    hooks = self._resolved.post_accumulate_hooks(leaf)
                     if hooks:  # probe P1: this build skips them once our pre-hook returned (None,)
                         for hook in tuple(hooks.values()):
                             hook(leaf)
@@ -494,12 +494,12 @@ class Hooks:
 
     def _fix_retained(self, tensor: torch.Tensor, prior: Any) -> None:
         grad = tensor.grad
-        if grad is None or not self._r.is_fake(grad):
+        if grad is None or not self._resolved.is_fake(grad):
             return
-        real = self._r.real_of(grad)
+        real = self._resolved.real_of(grad)
         if real is None and left_to_upstream(grad):
             return  # upstream's behaviour where no real values exist
-        with self._r.no_dispatch(), torch.no_grad():
+        with self._resolved.no_dispatch(), torch.no_grad():
             if real is not None:
                 tensor.grad = real  # a fresh clone (or sum) the retain hook made: ours alone
                 return
@@ -522,7 +522,7 @@ class Hooks:
 
 def left_to_upstream(grad: Any) -> bool:
     """A fake gradient without real values is upstream's (never touched) when its mode does not
-    propagate real values and ``on_missing`` was not set explicitly (issue 17)."""
+    propagate real values and ``on_missing`` was not set explicitly."""
     if _config.current().on_missing_explicit:
         return False
     return not getattr(getattr(grad, "fake_mode", None), "propagate_real_tensors", False)

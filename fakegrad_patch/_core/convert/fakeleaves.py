@@ -153,7 +153,7 @@ class FakeLeaves:
         if entry is not None and entry[1].hooks_dict_ref() is not None:
             return
         # torch's work first (the fake leaf's node: an op under forced dispatch keys), then the
-        # lock, only to register the hook once (issue 40)
+        # lock, only to register the hook once
         node = self._resolved.grad_accumulator(fake)
         hook = self._make_prehook(weakref.ref(source), weakref.ref(mirror), id(fake))
         with _lock:

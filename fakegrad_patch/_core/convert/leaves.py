@@ -8,7 +8,8 @@
 * **Managed gradients** (:func:`note_grad`, :func:`managed_grad`): the real gradients the patch
   wrote or saw on a leaf it handled. When such a gradient is converted by a propagating mode
   (``zero_grad(set_to_none=False)``, ``clip_grad_norm_`` inside the mode), the fake's propagated
-  values are the real gradient itself (_values), so in-place changes reach it as in eager mode.
+  values are the real gradient itself (convert/values.py), so in-place changes reach it as in
+  eager mode.
 
 Every registry here is a :class:`~fakegrad_patch._core.weak.WeakIdTable`: O(1) per operation at any
 size, never keeping a tensor alive.
@@ -26,7 +27,7 @@ import torch
 from ..weak import WeakIdTable
 
 #: Guards the registries below while they are written: table operations only, never an import
-#: or a call out (issue 40). Not a leaf's write lock (:func:`leaf_lock`).
+#: or a call out. Not a leaf's write lock (:func:`leaf_lock`).
 _lock = threading.Lock()
 #: leaf -> its write lock (made on first need)
 _locks: WeakIdTable[threading.RLock] = WeakIdTable()
@@ -91,7 +92,7 @@ def name_parameters(module: torch.nn.Module, prefix: str = "") -> int:
 
     Weakly held: naming never keeps a tensor alive. Returns how many parameters were named.
     """
-    # the module's own code runs first, then the lock is taken only to record (issue 40)
+    # the module's own code runs first, then the lock is taken only to record
     params = list(module.named_parameters(prefix=prefix.rstrip(".")))
     buffers = list(module.named_buffers(prefix=prefix.rstrip(".")))
     with _lock:

@@ -20,10 +20,10 @@ propagated values equal to the real source's, **per converter**:
 * **Managed gradients**: a real ``.grad`` the patch wrote, converted inside the mode
   (``zero_grad(set_to_none=False)``, ``clip_grad_norm_``): the fake's propagated values are the
   real gradient itself, so in-place changes reach it once, as in eager mode.
-* **Write-back** (``buffers="write_back"``, opt-in, issue 18): a real op input that does not
+* **Write-back** (``buffers="write_back"``, opt-in): a real op input that does not
   require grad, converted by the outermost op of a propagating mode, gets propagated values
-  that *are* the real tensor, so in-place updates reach it exactly once (_writeback).
-* **Conversions the patch did not see** (issue 19): on builds with D2, the first time a converter
+  that *are* the real tensor, so in-place updates reach it exactly once (dispatch/aliases.py).
+* **Conversions the patch did not see**: on builds with D2, the first time a converter
   is met after the patch was applied (again), the tensors it converted before are compared with
   this module's records; a Parameter converted while the patch was not installed had
   uninitialised values, so everything its mode computed is untrusted: real gradients are not
@@ -105,7 +105,7 @@ class Values:
     """One installation's converter wrapper."""
 
     def __init__(self, resolved: Any, probes: Any, applied: Any) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._probes = probes
         self._applied = applied
         self._is_fake = resolved.is_fake
@@ -124,7 +124,7 @@ class Values:
     def from_real_tensor(
         self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        # Early exit first (issue 28): a mode without real values, no explicit policy, no
+        # Early exit first: a mode without real values, no explicit policy, no
         # mirroring switch open: torch's converter, before any other work of ours.
         mode = args[0] if args else kwargs.get("fake_mode")
         if (
@@ -192,7 +192,7 @@ class Values:
         if self._d2 is None:
             self._d2 = self._probes.cached(D2)
         if self._d2:
-            made = self._r.conversions_made(conv)
+            made = self._resolved.conversions_made(conv)
             if made is not None:
                 _made.set(conv, made)
 
@@ -220,7 +220,7 @@ class Values:
         if op_input and not self._is_fake(t):
             # an op that writes t: does the update reach it (alias), or only the copy (report)?
             dispatch.watch.op_input(mode, t, fake)
-        # grad-copy fidelity (probe D4) and mirror_to_sources (issue 7)
+        # grad-copy fidelity (probe D4) and mirror_to_sources
         self._applied.fake_leaves.on_convert(mode, t, fake)
 
     # -- records ---------------------------------------------------------------------------------
@@ -235,10 +235,10 @@ class Values:
             return
         if real.is_conj() == fake.is_conj() and real.is_neg() == fake.is_neg():
             return
-        with self._r.no_dispatch(), torch.no_grad():
+        with self._resolved.no_dispatch(), torch.no_grad():
             copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            self._r.set_bits(copy, t.is_conj(), t.is_neg())
-            with self._r.value_keys():
+            self._resolved.set_bits(copy, t.is_conj(), t.is_neg())
+            with self._resolved.value_keys():
                 copy.copy_(t)
             fake.real_tensor = copy
 
@@ -266,7 +266,7 @@ class Values:
             values = self._real_of(source)
             if values is None:
                 # Mode A had no real values for it: B's copy would be uninitialised memory.
-                with self._r.no_dispatch():
+                with self._resolved.no_dispatch():
                     fake.real_tensor = None
                 return
             version = values._version
@@ -310,7 +310,7 @@ class Values:
         return type(root) is not torch.Tensor and self._probes.has(D2)
 
     def _copy_values(self, real: Any, values: Any, source: Any, reason: str) -> None:
-        with self._r.no_dispatch(), torch.no_grad():
+        with self._resolved.no_dispatch(), torch.no_grad():
             src_storage = values.untyped_storage()
             dst_storage = real.untyped_storage()
             if (
@@ -363,7 +363,7 @@ class Values:
         unseen too: not proven right, so not trusted."""
         if not definite_only:
             _contacts.set(conv, _Generation.value)
-        described = self._r.described_tensors(conv)
+        described = self._resolved.described_tensors(conv)
         if not described:
             return
         if not any(type(src) is not torch.Tensor and not self._is_fake(src) for src in described):
@@ -371,13 +371,13 @@ class Values:
         if not self._probes.has(D2):
             return
         table = _records.lookup(conv)
-        made = self._r.conversions_made(conv)
+        made = self._resolved.conversions_made(conv)
         unseen = (
             not definite_only
             and made is not None
             and made > _made.get(conv, 0) + (current is not None)
         )
-        memo = self._r.memo_of(conv)
+        memo = self._resolved.memo_of(conv)
         skip = {id(current), id(current._base)} if current is not None else set()
         for src in described:
             if type(src) is torch.Tensor or id(src) in skip or self._is_fake(src):
@@ -412,13 +412,13 @@ class Values:
             return
         if fake.stride() != grad.stride() or fake.dtype != grad.dtype:
             return
-        if _state.op_ran_for_real(self._r) is not False:
+        if _state.op_ran_for_real(self._resolved) is not False:
             # ``p.grad.mul_(3)`` with all-real arguments: FakeTensorMode already ran it on the
             # real grad (upstream's constant propagation); an alias would apply it twice. Or we
             # cannot tell. Upstream semantics for this op: the fake works on a copy (a fresh one
             # if an earlier op of this mode made the alias: the converter memo returns that fake).
             if fake.real_tensor is grad:
-                with self._r.no_dispatch():
+                with self._resolved.no_dispatch():
                     fake.real_tensor = grad.clone()
             return
         if fake.real_tensor is not grad:

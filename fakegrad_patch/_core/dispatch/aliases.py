@@ -37,7 +37,7 @@ class Aliases:
     """One installation's write-back aliasing."""
 
     def __init__(self, resolved: Any, frames: Frames, switch: DispatchSwitch) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._frames = frames
         self._switch = switch
         self._lock = threading.Lock()
@@ -126,11 +126,11 @@ class Aliases:
             or real.storage_offset() != t.storage_offset()
         ):
             return False
-        if _state.op_ran_for_real(self._r) is not False:
+        if _state.op_ran_for_real(self._resolved) is not False:
             return False  # upstream already applied this op to t for real (or cannot tell)
         root = t._base if t._base is not None else t
         fake_root = fake._base if fake._base is not None else fake
-        with self._r.no_dispatch():
+        with self._resolved.no_dispatch():
             if fake_root is not fake:
                 root_real = getattr(fake_root, "real_tensor", None)
                 if (
@@ -155,7 +155,7 @@ class Aliases:
         """Give ``fake`` a private copy of ``real`` again if it still aliases it."""
         if getattr(fake, "real_tensor", None) is not real:
             return False
-        with self._r.no_dispatch(), torch.no_grad():
+        with self._resolved.no_dispatch(), torch.no_grad():
             fake.real_tensor = private_copy(real)
         return True
 

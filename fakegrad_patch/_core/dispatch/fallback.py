@@ -30,7 +30,7 @@ class Fallback:
         fast: FastPath,
         errors: InternalErrors,
     ) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._settings = settings
         self._stats = stats
@@ -68,11 +68,11 @@ class Fallback:
         from it; with no real output, fakes lose the zeros' values (no values: reported)."""
         if self._is_fake(fake_out):
             if real_out is _targets.NO_REAL_OUT or not isinstance(real_out, torch.Tensor):
-                with self._r.no_dispatch():
+                with self._resolved.no_dispatch():
                     fake_out.real_tensor = None
                 return fake_out
             if same_metadata(fake_out, real_out):
-                with self._r.no_dispatch():
+                with self._resolved.no_dispatch():
                     fake_out.real_tensor = real_out
                 return fake_out
             return self._fast.fake_of(mode, real_out)

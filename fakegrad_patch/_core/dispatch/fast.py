@@ -47,7 +47,7 @@ NOT_FAST: Any = object()
 
 class FastPath:
     def __init__(self, resolved: Any, stats: Stats) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._stats = stats
         # optional touch points: absent on a build, the fast path stands aside
@@ -159,7 +159,7 @@ class FastPath:
         conjugate or negative bit or be a ZeroTensor (their keys' fallbacks on)."""
         args, kwargs = reals
         if needs_value_keys(args) or (kwargs and needs_value_keys(kwargs.values())):
-            with self._r.value_keys():
+            with self._resolved.value_keys():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -245,7 +245,7 @@ class FastPath:
             or self._is_fake(real)
         ):
             raise CannotRebuild
-        with self._r.no_dispatch():
+        with self._resolved.no_dispatch():
             storage = real.untyped_storage()
             nbytes = storage.nbytes()
             if real.storage_offset() == 0 and nbytes == real.numel() * real.element_size():

@@ -1,4 +1,4 @@
-"""Saying plainly when real-value propagation refuses a fake kernel (issue 18.3).
+"""Saying plainly when real-value propagation refuses a fake kernel.
 
 A propagating mode runs every op twice, on fake (meta) tensors and on the real propagated values,
 and compares the outputs' metadata; a difference raises upstream's ``MetadataMismatchError`` out
@@ -102,8 +102,8 @@ class Mismatch:
         user = _in_user_mode()
         dispatch = getattr(self._applied, "dispatch", None)
         if user and dispatch is not None and dispatch.settings.repair:
-            # the dispatch wrapper makes the op's outputs from the real kernel's (issue 39,
-            # ``propagation_rebuilt``) and calls :meth:`report` only when it cannot
+            # the dispatch wrapper makes the op's outputs from the real kernel's
+            # (``propagation_rebuilt``) and calls :meth:`report` only when it cannot
             return
         self.report(exc, cause=sys.exc_info()[1], note=user)
 

@@ -28,7 +28,7 @@ from .watch import Watch
 
 class Nested:
     def __init__(self, resolved: Any, stats: Stats, watch: Watch, upstream: Upstream) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._stats = stats
         self._watch = watch
@@ -47,7 +47,7 @@ class Nested:
             self._watch.scan(frame)
         if not frame.arguments or not frame.real_ok:
             return
-        no_dispatch = self._r.no_dispatch
+        no_dispatch = self._resolved.no_dispatch
         for t in written_tensors(written, op_args, op_kwargs):
             if not self._is_fake(t):
                 continue
@@ -64,7 +64,7 @@ class Nested:
             )
 
     def unshadow(self, frame: Frame) -> None:
-        with self._r.no_dispatch():
+        with self._resolved.no_dispatch():
             for fake, before, _shadow in reversed(frame.swaps):
                 fake.real_tensor = before
 

@@ -33,7 +33,7 @@ class BornInside:
     """One installation's handling of state objects created inside the mode."""
 
     def __init__(self, resolved: Any, errors: InternalErrors) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._errors = errors
         self._lock = threading.Lock()
@@ -75,7 +75,7 @@ class BornInside:
                     if real is None:
                         report_lost(param, f"optimizer state {key!r}", "no real values", True)
                         continue
-                    with self._r.no_dispatch(), torch.no_grad():
+                    with self._resolved.no_dispatch(), torch.no_grad():
                         entries[key] = private_copy(real)
                     if trace.enabled(trace.INFO):
                         trace.emit(
@@ -128,7 +128,7 @@ class BornInside:
                 if not self.enabled or real is None:
                     report_fake_state(f"GradScaler.{key}", value, real)
                     continue
-                with self._r.no_dispatch(), torch.no_grad():
+                with self._resolved.no_dispatch(), torch.no_grad():
                     made = private_copy(real)
                 setattr(scaler, key, made)
                 if trace.enabled(trace.INFO):

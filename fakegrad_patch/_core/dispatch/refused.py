@@ -29,7 +29,7 @@ class Converted:
 
 class Refused:
     def __init__(self, resolved: Any, stats: Stats, fast: FastPath) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._stats = stats
         self._fast = fast
@@ -60,7 +60,7 @@ class Refused:
             real_storage = _targets.real_storage_of(source)
             if real_storage is None:
                 return NOT_FAST
-            with self._r.no_dispatch():
+            with self._resolved.no_dispatch():
                 meta = torch.empty(0, dtype=t.dtype, device="meta")
                 meta.set_(source)
                 base = torch.empty(0, dtype=t.dtype, device=real_storage.device)
@@ -71,7 +71,7 @@ class Refused:
                 return NOT_FAST
             fake.real_tensor = base
         else:
-            with self._r.no_dispatch():
+            with self._resolved.no_dispatch():
                 base = torch.empty(0, dtype=t.dtype, device=source.device)
                 base.set_(source)
             fake = convert_op_input(mode, base)
@@ -89,7 +89,7 @@ class Refused:
                 if not isinstance(source, torch.Tensor)
                 else (real.storage_offset(), list(real.shape), list(real.stride()))
             )
-        with self._r.no_dispatch():
+        with self._resolved.no_dispatch():
             t_real.set_(real.untyped_storage(), *where)
         with self._in_kernel(mode):
             torch.ops.aten.set_.source_Storage_storage_offset(t, fake.untyped_storage(), *where)

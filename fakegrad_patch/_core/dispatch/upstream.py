@@ -56,7 +56,7 @@ class Upstream:
         fast: FastPath,
         mismatch: MismatchReporter,
     ) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._settings = settings
         self._stats = stats
@@ -80,7 +80,7 @@ class Upstream:
         ok = False
         try:
             if facts.fresh_outputs:
-                with self._r.value_keys():
+                with self._resolved.value_keys():
                     result = self._dispatch(wrapped, args, kwargs, mode, func, op, facts)
             else:
                 result = self._dispatch(wrapped, args, kwargs, mode, func, op, facts)
@@ -171,7 +171,7 @@ class Upstream:
                 and fake.device == real.device
             ):
                 raise CannotRebuild
-        with self._r.no_dispatch():
+        with self._resolved.no_dispatch():
             for fake, real in zip(fakes, reals, strict=True):
                 fake.real_tensor = real
         return fake_out
@@ -275,7 +275,7 @@ class Upstream:
                     continue  # immutable: upstream's (and eager's) error
                 if any(item[0] is fake for item in swaps):
                     continue
-                with self._r.no_dispatch():
+                with self._resolved.no_dispatch():
                     shadow = plain(fake, real)
                     fake.real_tensor = shadow
                 swaps.append((fake, real, shadow, written))
@@ -284,7 +284,7 @@ class Upstream:
     def _restore_values(self, swaps: list[Any], ok: bool) -> None:
         """After the op: written arguments get the op's update on their raw storage, read with
         their bits (``copy_`` applies them); every fake gets its own values back."""
-        with self._r.no_dispatch():
+        with self._resolved.no_dispatch():
             for fake, real, shadow, written in reversed(swaps):
                 if written and ok:
                     view = torch.ops.aten.alias.default(real)

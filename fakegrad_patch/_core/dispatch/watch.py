@@ -40,7 +40,7 @@ class Watch:
     def __init__(
         self, resolved: Any, frames: Frames, aliases: Aliases, copies: CopyRefresher
     ) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._frames = frames
         self._aliases = aliases
@@ -165,7 +165,7 @@ class Watch:
         frame.keep.append(fake)
         if frame.depth != 0 or id(t) not in frame.direct:
             return
-        if _state.op_ran_for_real(self._r):
+        if _state.op_ran_for_real(self._resolved):
             return  # upstream ran the op on the real arguments first (constant propagation)
         if (
             self._aliases.enabled
@@ -179,7 +179,7 @@ class Watch:
     def _unobserved_op_input(self, t: Any) -> None:
         """No frame of the mode on this thread: the op started before ``dispatch`` was wrapped
         (the very first op of the first propagating mode). The converting frame tells the op."""
-        found = self._r.dispatching_op()
+        found = self._resolved.dispatching_op()
         if found is None:
             return
         func, op_args, op_kwargs = found
@@ -188,7 +188,7 @@ class Watch:
             return
         if any(
             w is t for w in written_tensors(written, op_args, op_kwargs or {})
-        ) and not _state.op_ran_for_real(self._r):
+        ) and not _state.op_ran_for_real(self._resolved):
             report_lost(t, str(func), "", self._aliases.enabled)
 
     def _alias_parameter(self, frame: Frame, t: Any, fake: Any, real: Any) -> bool:
@@ -208,7 +208,7 @@ class Watch:
         ptr = storage_ptr(t)
         if ptr is None:
             return False
-        with self._r.no_dispatch():
+        with self._resolved.no_dispatch():
             fake.real_tensor = t.detach()
         frame.param_swaps.append((fake, real))
         if not frame.scanned:
@@ -271,7 +271,7 @@ class Watch:
         traced. (Version counters cannot tell what was written: ``native_batch_norm``'s schema
         does not mark its running statistics.)"""
         if frame.param_swaps:
-            with self._r.no_dispatch():
+            with self._resolved.no_dispatch():
                 # the parameter's fake goes back to its own copy, which the values machinery
                 # refreshes from the real parameter
                 for fake, before in reversed(frame.param_swaps):
@@ -317,7 +317,7 @@ class Watch:
             ):
                 frame.lost[id(root)] = (root, "")
                 continue
-            with self._r.no_dispatch(), torch.no_grad():
+            with self._resolved.no_dispatch(), torch.no_grad():
                 values = torch.empty(0, dtype=root.dtype, device=root.device)
                 values.set_(storage, root.storage_offset(), root.shape, root.stride())
                 target.copy_(values)

@@ -50,7 +50,7 @@ class Dispatcher:
         copies: CopyRefresher,
         armer: RetainedArmer,
     ) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._errors = errors
         self._armer = armer
         self._lock = threading.Lock()
@@ -112,7 +112,7 @@ class Dispatcher:
         return True
 
     def _make_sites(self, wrapt: Any, fallback_ok: bool) -> list[_sites.Site]:
-        cls = self._r.fake_mode_cls
+        cls = self._resolved.fake_mode_cls
         name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
         original = cls.__dict__.get(name)
         if not callable(original):
@@ -128,12 +128,12 @@ class Dispatcher:
             )
         ]
         sites += method_sites(
-            self._r, self.settings, lambda: self.observing, self._armer, self._errors
+            self._resolved, self.settings, lambda: self.observing, self._armer, self._errors
         )
         scaler = self.born_inside.scaler_site()
         if scaler is not None:
             sites.append(scaler)
-        module = self._r.fake_tensor_module
+        module = self._resolved.fake_tensor_module
         fallback = module.__dict__.get("run_fallback_kernel")
         if fallback_ok and self._can_read_frames and callable(fallback):
             sites.append(

@@ -53,7 +53,7 @@ class _State:
 
 _state = _State()
 #: Guards the fields of ``_state``, and only them: held to read or publish them, never while
-#: importing, resolving a target, wrapping or calling out (issue 40). The work itself runs
+#: importing, resolving a target, wrapping or calling out. The work itself runs
 #: under ``_state.busy`` (a token, not a lock): post-import hooks never wait for it.
 _lock = threading.RLock()
 _idle = threading.Condition(_lock)  # notified when ``busy`` is given back
@@ -290,7 +290,7 @@ def status() -> dict[str, Any]:
         # torch.autograd.backward is our wrapper now (only while a propagating mode lives or a
         # policy is set explicitly; torch's own function otherwise)
         "backward_wrapped": bool(applied and applied.backward_site.in_place()),
-        # what the patch did to propagation itself in this process (issues 39, 41): ops that
+        # what the patch did to propagation itself in this process: ops that
         # took the fast path, ops made from the real kernel's outputs, values repaired
         "propagation": _propagation_counts(applied),
     }

@@ -71,7 +71,7 @@ class Applied:
         self.first_need = FirstNeed(self)
         self.fake_leaves = _fakeleaves.FakeLeaves(self)
 
-        # torch.autograd.backward is wrapped only while needed (issue 28): while a propagating
+        # torch.autograd.backward is wrapped only while needed: while a propagating
         # mode lives (registered when built, FakeTensorMode.__init__ wrapped, or when it
         # converts) or a policy is set explicitly; torch's own function object otherwise.
         autograd = torch.autograd
@@ -132,7 +132,7 @@ class Applied:
     ) -> Any:
         """``FakeTensorMode.__init__`` wrapper: a propagating mode keeps the backward
         interception in place while it lives; one without a ShapeEnv (a user's, not a tracer's)
-        has its ops watched from the first one (in-place updates of real tensors: issue 25)."""
+        has its ops watched from the first one (in-place updates of real tensors)."""
         result = wrapped(*args, **kwargs)
         if (
             getattr(instance, "propagate_real_tensors", False)

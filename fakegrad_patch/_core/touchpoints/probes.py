@@ -93,7 +93,7 @@ _results_lock = threading.Lock()
 
 class Probes:
     def __init__(self, resolved: Resolved) -> None:
-        self._r = resolved
+        self._resolved = resolved
         self._lock = _results_lock
         #: shared by every installation in the process: a build's behaviour does not change
         self._results = _results
@@ -131,7 +131,7 @@ class Probes:
         }[defect.key]
         # An explicit, ordinary autograd state: probes run at first need, which can be inside a
         # fake op's dispatch (autograd keys excluded), under no_grad or inference_mode.
-        with self._r.ordinary_dispatch(), torch.inference_mode(False):
+        with self._resolved.ordinary_dispatch(), torch.inference_mode(False):
             found = probe()
         if trace.enabled(trace.INFO):
             trace.emit("defect_probed", trace.INFO, defect=defect.key, present=found)
@@ -147,22 +147,22 @@ class Probes:
 
     def _fake_grad_in_real_leaf(self) -> bool:
         expected = torch.tensor([2.0, 4.0, 6.0])
-        propagate = self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True)
-        with self._r.disable_current_modes(), torch.enable_grad(), propagate, bypass():
+        propagate = self._resolved.functorch_config.patch(fake_tensor_propagate_real_tensors=True)
+        with self._resolved.disable_current_modes(), torch.enable_grad(), propagate, bypass():
             leaf = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
-            with self._r.fake_mode_cls(allow_non_fake_inputs=True):
+            with self._resolved.fake_mode_cls(allow_non_fake_inputs=True):
                 (leaf * leaf).sum().backward()
             first = leaf.grad
-            if first is None or self._r.is_fake(first) or not torch.equal(first, expected):
+            if first is None or self._resolved.is_fake(first) or not torch.equal(first, expected):
                 return True
-            with self._r.fake_mode_cls(allow_non_fake_inputs=True):
+            with self._resolved.fake_mode_cls(allow_non_fake_inputs=True):
                 (leaf * leaf).sum().backward()
             second = leaf.grad
             return not (second is first and torch.equal(second, 2 * expected))
 
     def _probe_post_hooks_skipped(self) -> bool:
         ran: list[bool] = []
-        with self._r.disable_current_modes(), torch.enable_grad(), bypass():
+        with self._resolved.disable_current_modes(), torch.enable_grad(), bypass():
             leaf = torch.zeros(2, requires_grad=True)
             leaf.register_post_accumulate_grad_hook(lambda _t: ran.append(True))
             out = (leaf * 2).sum()
@@ -174,13 +174,13 @@ class Probes:
     def _probe_parameter_real_tensor(self) -> bool:
         values = torch.linspace(-3.25, 7.5, 24).reshape(4, 6)
         with (
-            self._r.disable_current_modes(),
+            self._resolved.disable_current_modes(),
             torch.no_grad(),
-            self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
+            self._resolved.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
             bypass(),
         ):
             source = torch.nn.Parameter(values.clone())
-            mode = self._r.fake_mode_cls()
+            mode = self._resolved.fake_mode_cls()
             fake = mode.from_tensor(source)
             real = getattr(fake, "real_tensor", None)
             if real is None:
@@ -192,9 +192,9 @@ class Probes:
         used: a fresh, uninitialised copy can land on a freed block that held the same values
         (seen on 2.4: a probe answering "fixed" by coincidence in one process of two)."""
         with (
-            self._r.disable_current_modes(),
+            self._resolved.disable_current_modes(),
             torch.no_grad(),
-            self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
+            self._resolved.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
             bypass(),
         ):
             keep = []
@@ -203,10 +203,10 @@ class Probes:
                 torch.linspace(9.0, -1.5, 24).reshape(4, 6),
             ):
                 source = values.clone()
-                first = self._r.fake_mode_cls().from_tensor(source)
+                first = self._resolved.fake_mode_cls().from_tensor(source)
                 if getattr(first, "real_tensor", None) is None:
                     return False  # no propagation through from_tensor: nothing to repair
-                second = self._r.fake_mode_cls(allow_non_fake_inputs=True).from_tensor(first)
+                second = self._resolved.fake_mode_cls(allow_non_fake_inputs=True).from_tensor(first)
                 keep.append((values, source, first, second))
                 real = getattr(second, "real_tensor", None)
                 if real is not None and not torch.equal(real, values):
@@ -217,9 +217,9 @@ class Probes:
         """Convert plain and Parameter leaves holding strided grads; compare the fake grad's real
         values, strides and device with the source grad's."""
         with (
-            self._r.disable_current_modes(),
+            self._resolved.disable_current_modes(),
             torch.no_grad(),
-            self._r.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
+            self._resolved.functorch_config.patch(fake_tensor_propagate_real_tensors=True),
             bypass(),
         ):
             base = torch.linspace(-2.5, 4.0, 120)
@@ -235,7 +235,7 @@ class Probes:
                 for make in (torch.nn.Parameter, lambda d: d.clone().requires_grad_()):
                     source = make(data.clone())
                     source.grad = grad
-                    fake = self._r.fake_mode_cls().from_tensor(source)
+                    fake = self._resolved.fake_mode_cls().from_tensor(source)
                     real = getattr(fake, "real_tensor", None)
                     if real is None:
                         return False  # no propagation through from_tensor: nothing to repair

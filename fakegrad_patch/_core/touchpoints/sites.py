@@ -1,14 +1,15 @@
-"""Functions of torch that the patch replaces only while they are needed (issue 28).
+"""Functions of torch that the patch replaces only while they are needed.
 
 A :class:`Site` puts a wrapper in place of ``owner.<attr>`` while a propagating mode it follows
 lives (or a policy asks for it) and torch's own object back, the same object, when none does:
 a process whose propagating modes are gone runs torch's own functions at torch's own cost.
-Two sites exist: ``torch.autograd.backward`` (_arming: needed while any propagating mode
-lives) and ``FakeTensorMode.dispatch`` (_writeback: needed while a propagating *user* mode,
-one without a ShapeEnv, lives, or while ``buffers="write_back"`` is on). A plain fake mode, a
-tracer's, then pays nothing per op. A :class:`HookSite` registers a global hook of torch the
-same way, from the first propagating user mode on: write-back's optimizer step post-hook, which
-TorchDynamo would otherwise meet in every ``Optimizer.step`` it traces.
+The sites: ``torch.autograd.backward`` (accumulate/arming.py: needed while any propagating mode
+lives) and ``FakeTensorMode.dispatch`` with its companions (dispatch/wrapper.py: needed while a
+propagating *user* mode, one without a ShapeEnv, lives, or while ``buffers="write_back"`` is
+on). A plain fake mode, a tracer's, then pays nothing per op. A :class:`HookSite` registers a
+global hook of torch the same way, from the first propagating user mode on: write-back's
+optimizer step post-hook, which TorchDynamo would otherwise meet in every ``Optimizer.step``
+it traces.
 
 Modes are registered when they are built (the ``FakeTensorMode.__init__`` wrapper) or when they
 convert a real tensor, and held weakly: a mode's death (a weak reference callback, possibly run
@@ -122,7 +123,7 @@ class _Follower:
             finally:
                 self._lock.release()
             if report is not None:
-                report()  # after releasing: a trace event or a warning may import (issue 40)
+                report()  # after releasing: a trace event or a warning may import
 
     def _settle(self, quiet: bool) -> Any:
         """Put in place or take away as needed, under the lock; returns what to report (a

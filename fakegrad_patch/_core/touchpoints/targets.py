@@ -241,7 +241,7 @@ DESCRIBED_TENSORS = Target(
 #: dynamo traces *calls* is a graph break there ("Attempted to call function marked as
 #: skipped"; in a loop the whole frame runs uncompiled). So nothing of ours is registered where
 #: traced code calls it (a global hook of torch) unless a propagating user mode needs it:
-#: write-back's optimizer step post-hook (_core/writeback.py; seen on 2.4.0, 2.13.0, 2.14.1).
+#: write-back's optimizer step post-hook (_core/dispatch/objects.py; seen on 2.4.0, 2.13.0, 2.14.1).
 DYNAMO_SKIP = Target(
     "torch._dynamo.trace_rules",
     "add",
@@ -249,8 +249,8 @@ DYNAMO_SKIP = Target(
 )
 
 #: WRAPPED, OPTIONAL, from the first propagating user mode on (its construction, FAKE_MODE_INIT,
-#: or its first conversion) until ``uninstall()`` (fakegrad_patch/_core/writeback.py; never wrapped
-#: in a process whose modes never propagate real values).
+#: or its first conversion) until ``uninstall()`` (dispatch/wrapper.py; never wrapped in a
+#: process whose modes never propagate real values).
 #: ``FakeTensorMode.dispatch(self, func, types, args=(), kwargs=...)``:
 #: the entry of every op the mode handles (``__torch_dispatch__`` calls it positionally; the
 #: nested ops of decompositions, ``func.decompose`` and Python meta/fake implementations that
@@ -270,9 +270,9 @@ FAKE_MODE_DISPATCH = Target(
 #: raised by ``FakeTensorMode._maybe_infer_fake`` when real-value propagation finds an op's fake
 #: output metadata different from the real kernel's ("Real tensor propagation found a metadata
 #: mismatch ... at output<path>, for func: <op>", raised from the inner comparison error). Its
-#: ``__init__`` is wrapped (fakegrad_patch/_core/mismatch.py: nothing runs unless one is made) to
-#: trace ``propagation_mismatch`` and add a note naming the known CPU-autocast norm defect
-#: (issue 18.3). Same name and message on 2.13.0 and 2.14.1. Absent: no trace event, no note.
+#: ``__init__`` is wrapped (dispatch/mismatch.py: nothing runs unless one is made) to trace
+#: ``propagation_mismatch`` and add a note naming the known CPU-autocast norm defect. Same
+#: name and message on 2.13.0 and 2.14.1. Absent: no trace event, no note.
 METADATA_MISMATCH_ERROR = Target(
     FAKE_TENSOR_MODULE,
     "MetadataMismatchError",
@@ -300,11 +300,11 @@ RECORD_FUNCTION_FAST = Target(
 
 #: WRAPPED, OPTIONAL. ``FakeTensorMode.__init__``: after a mode is built, the wrapper reads its
 #: ``propagate_real_tensors`` (PROPAGATE_ATTR); a propagating mode puts the
-#: ``torch.autograd.backward`` interception in place for as long as it lives (issue 28: a process
+#: ``torch.autograd.backward`` interception in place for as long as it lives (a process
 #: that never builds one runs torch's own ``backward``). A mode that propagates but never converts
 #: a real tensor still needs it: ``g = torch.ones(3)`` inside it, then ``real_out.backward(g)``.
 #: A propagating mode without a ShapeEnv also wraps ``dispatch`` (FAKE_MODE_DISPATCH) before its
-#: first op (issue 25: every in-place update of a real tensor it makes is seen, reported or
+#: first op (every in-place update of a real tensor it makes is seen, reported or
 #: written back). Cost: one call per mode built (none per op). Same name on 2.13.0 and 2.14.1.
 #: Absent: the interception is in place for the whole installation (0.3's behaviour), and
 #: ``dispatch`` is wrapped at the first propagating conversion (the very first op's direct writes
@@ -339,7 +339,7 @@ SCRIPT_BUILTINS = Target(
 #: propagated values are the zeros' result; on the path where the meta kernel raised
 #: NotImplementedError, ``_dispatch_impl`` returns them without propagating the real kernel's
 #: output (``real_out``, computed before on the real values). Wrapped
-#: (fakegrad_patch/_core/propagation.py) to give the outputs the real kernel's values, or none
+#: (fakegrad_patch/_core/dispatch/fallback.py) to give the outputs the real kernel's values, or none
 #: where the op had none. Looked up as a module global at call time; same signature on 2.4.0,
 #: 2.13.0 and 2.14.1. Absent: such ops are reported as not repaired.
 RUN_FALLBACK_KERNEL = Target(
@@ -551,7 +551,7 @@ def has_constants(converter: Any) -> bool:
 # the leaves of a *real* graph that receives a fake gradient (``out.backward(fake_grad)``): no
 # conversion happens there, so the converter wrapper never sees those leaves. Checked on the
 # builds above: ``Tensor.backward`` looks ``torch.autograd.backward`` up at call time. In place
-# only while a propagating mode lives or a policy is set explicitly (issue 28, _core/arming.py).
+# only while a propagating mode lives or a policy is set explicitly (_core/accumulate/arming.py).
 AUTOGRAD_BACKWARD = Target(
     "torch.autograd",
     "backward",
@@ -749,7 +749,7 @@ def _make_is_fake(fake_cls: type) -> Callable[[Any], bool]:
 def _make_real_of(fake_cls: type) -> Callable[[Any], Any]:
     """``real_of(x)``: a fake's propagated values or None. The exact-type case reads the
     attribute torch's own helper reads (``FakeTensor.real_tensor``) without the helper's frame
-    (issue 27: once per materialized gradient); anything else asks the helper where the build
+    (once per materialized gradient); anything else asks the helper where the build
     has one (C++ fakes), else the attribute."""
     helper = _resolve_optional(MAYBE_GET_REAL_TENSOR)
     set_conj, set_neg = resolve(SET_CONJ), resolve(SET_NEG)
@@ -1037,7 +1037,7 @@ def report() -> list[tuple[Target, str | None]]:
 
 
 # ==============================================================================================
-# --- DDP: DistributedDataParallel inside a propagating fake mode (fakegrad_patch/_core/ddp.py) -
+# --- DDP: DistributedDataParallel inside a propagating fake mode (_core/accumulate/ddp.py) -----
 # ==============================================================================================
 # Resolved apart from the core's targets: a build where one is missing leaves DDP to upstream
 # (one warning), the rest of the patch applies. Checked on: torch 2.13.0+cpu, 2.14.1+cu130 (run
@@ -1181,7 +1181,7 @@ def resolve_fsdp() -> type:
 
 
 # ==============================================================================================
-# --- torch.profiler ranges for the patch's own work (fakegrad_patch/_core/profiling.py) --------
+# --- torch.profiler ranges for the patch's own work (_core/accumulate/profiling.py) --------------
 # ==============================================================================================
 # Checked on: torch 2.13.0+cpu and 2.14.1+cu130 (run on CPU), Python 3.11: both present, same
 # behaviour (a range opened in an AccumulateGrad pre-hook nests inside the engine's
