@@ -136,12 +136,12 @@ def stress(threads: int = 3, steps: int = 20, timeout_s: float = 60.0) -> dict[s
     ``install()`` at once): every 50 ms until the first step ends (a fresh interpreter: while
     the trainers' first ``FakeTensorMode`` imports ``torch._dynamo``), then after every
     ``4 * threads`` steps (polled every 2 ms), so that the steps are long against the toggling
-    whatever the machine's load, and the toggles happen however fast the steps are. A step is *wholly installed* when the patch was installed when it started
-    and when it ended, with no ``install()``/``uninstall()`` call in between: its gradients must
-    be real and exact. Any other step may get upstream's (fake) gradients or none (on a D2
-    build a forward that straddled ``uninstall()`` is refused), never a wrong real one. Returns
-    the counts; a thread still running after ``timeout_s`` fails (stacks dumped, exit 3)
-    instead of hanging."""
+    whatever the machine's load, and the toggles happen however fast the steps are. A step is
+    *wholly installed* when the patch was installed when it started and when it ended, with no
+    ``install()``/``uninstall()`` call in between: its gradients must be real and exact. Any
+    other step may get upstream's (fake) gradients or none (on a D2 build a forward that
+    straddled ``uninstall()`` is refused), never a wrong real one. Returns the counts; a thread
+    still running after ``timeout_s`` fails (stacks dumped, exit 3) instead of hanging."""
     import copy
 
     import torch

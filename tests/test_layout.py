@@ -59,6 +59,7 @@ RANKS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("converter: records of conversions and copies", ["_core.convert.records"]),
+    ("converter: conversions the patch did not see", ["_core.convert.unseen"]),
     (
         "dispatch: shared helpers",
         [
@@ -100,6 +101,7 @@ RANKS: list[tuple[str, list[str]]] = [
     ("install: one application of the patch", ["_core.install.applied"]),
     ("install: install(), uninstall(), configure(), status()", ["_core.install"]),
     ("tools used by the API", ["_tools.materialize", "_tools.verify_report"]),
+    ("verify: the comparison", ["_tools.verify_compare"]),
     ("verify", ["_tools.verify"]),
     ("the public facade", [""]),
     ("activation: the start-up hook's handle", ["_activation.startup"]),

@@ -19,7 +19,7 @@ from _helpers import fake_mode, is_real
 from fakegrad_patch._core import weak as _weak
 from fakegrad_patch._core.accumulate import arming as _arming
 from fakegrad_patch._core.convert import leaves as _leaves
-from fakegrad_patch._core.convert import values as _values
+from fakegrad_patch._core.convert import records as _records
 
 pytestmark = pytest.mark.usefixtures("propagate")
 
@@ -69,7 +69,7 @@ def test_no_registry_is_rebuilt_or_scanned_during_fake_steps(
     assert all(is_real(p.grad) for p in model.ps)
     torch.testing.assert_close(model.ps[0].grad, 3 * x)
     conv = mode.fake_tensor_converter
-    table = _values._records.get(conv)
+    table = _records.lookup(conv)
     assert table is not None and N <= len(table) <= N + 16  # one record per live source tensor
     assert len(_leaves._grads) >= N  # every managed grad known ...
     del model

@@ -302,7 +302,7 @@ def torch_checks() -> dict[str, Any]:
         "on_missing_explicit": settings.on_missing_explicit,
         "buffers": settings.buffers,
         "buffers_values": list(_config.BUFFERS_VALUES),
-        "write_back_available": _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH) is not None,
+        "write_back_available": _targets.resolve_optional(_targets.FAKE_MODE_DISPATCH) is not None,
     }
     result["checked_on"] = list(_targets.CHECKED_ON)
     result["known_limits"] = list(KNOWN_LIMITS)

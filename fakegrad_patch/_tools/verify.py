@@ -15,12 +15,9 @@ propagation flag (``config.patch``) are restored on exit, the trace configuratio
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
-import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -30,39 +27,13 @@ from .._core import install as _install
 from .._core.convert import leaves as _leaves
 from .._core.touchpoints import targets as _targets
 from .materialize import materialize
-from .verify_report import BufferReport, ParamReport, VerifyReport
+from .verify_compare import DEFAULT_TOLERANCES, Comparison, Tolerance
+from .verify_report import VerifyReport
+
+__all__ = ["DEFAULT_TOLERANCES", "VerifyError", "default_loss", "verify"]
 
 ZeroGrad = Literal["none", "zeros", "never"]
 ZERO_GRAD_VALUES: tuple[str, ...] = ("none", "zeros", "never")
-
-#: Default tolerances per gradient dtype: ``torch.testing.assert_close``'s (rtol, atol). The patch
-#: runs the same kernels as eager, so differences are normally exactly 0; these only absorb
-#: reduction-order noise.
-DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.float64: (1e-7, 1e-7),
-    torch.complex64: (1.3e-6, 1e-5),
-    torch.complex128: (1e-7, 1e-7),
-}
-_FALLBACK_TOLERANCE = (1.3e-6, 1e-5)
-
-_BUFFER_NOTE = (
-    "differs from eager: updated on a fake copy inside the mode (upstream; "
-    'buffers="write_back" writes it back)'
-)
-_BUFFER_NOTE_WRITE_BACK = "differs from eager though written back (see the trace)"
-
-_PATCH_EVENTS = {
-    "fake_grad_set": "set",
-    "fake_grad_accumulate": "accumulate",
-    "fake_grad_drop": "drop",
-    "fake_grad_error": "error",
-    "fake_grad_keep": "keep",
-}
-#: Outcomes that are problems even when the values happen to agree.
-_BAD_OUTCOMES = ("drop", "error", "keep", "zeros")
 
 
 class VerifyError(RuntimeError):
@@ -70,7 +41,6 @@ class VerifyError(RuntimeError):
     under FakeTensorMode. The message says which and why; the original error is chained."""
 
 
-Tolerance = float | Mapping[torch.dtype, float] | None
 OptimizerFactory = Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -177,13 +147,9 @@ def default_loss(output: Any) -> torch.Tensor:
 # -- the two runs ---------------------------------------------------------------------------------
 
 
-@dataclass
-class _Grad:
-    kind: str  # "real" | "fake" | "none"
-    tensor: torch.Tensor | None
-
-
 class _Run:
+    """The two copies trained side by side, step by step (:class:`Comparison` judges them)."""
+
     def __init__(
         self,
         eager: torch.nn.Module,
@@ -200,30 +166,15 @@ class _Run:
         self.buffers = buffers
         self.inputs, self.loss_fn = inputs, loss_fn
         self.zero_grad = zero_grad
-        self.atol, self.rtol = atol, rtol
-        self.fake_cls = _targets.resolve(_targets.FAKE_TENSOR)
         self.mode_cls = _targets.resolve(_targets.FAKE_TENSOR_MODE)
         self.config = importlib.import_module(_targets.PROPAGATE_CONFIG.module)
         self.opt_factory = optimizer
         self.opt_eager = self._optimizer(eager, "eager")
         self.opt_patched = self._optimizer(patched, "patched")
-        self.e_params = dict(eager.named_parameters())
-        self.p_params = dict(patched.named_parameters())
-        self.rows: dict[str, ParamReport] = {
-            name: ParamReport(
-                name=name,
-                shape=list(p.shape),
-                dtype=_dt(p.dtype),
-                device=str(p.device),
-            )
-            for name, p in self.p_params.items()
-        }
-        self.losses: list[dict[str, float | None]] = []
-        self.general: list[str] = []
-        self.notes: list[str] = []
+        self.compared = Comparison(
+            eager, patched, _targets.resolve(_targets.FAKE_TENSOR), atol, rtol, buffers
+        )
         self.events: list[dict[str, Any]] = []
-        self.prev_e: dict[str, torch.Tensor | None] = {}
-        self.prev_p: dict[str, torch.Tensor | None] = {}
 
     def _optimizer(self, module: torch.nn.Module, which: str) -> torch.optim.Optimizer | None:
         if self.opt_factory is None:
@@ -251,11 +202,11 @@ class _Run:
             ):
                 loss_p = self._patched_step(step)
             self.events += events
-            self._compare_step(step, loss_e, loss_p)
+            self.compared.step(step, loss_e, loss_p)
             if self.opt_eager is not None and self.opt_patched is not None:
                 self.opt_eager.step()
                 self.opt_patched.step()
-                self._compare_values()
+                self.compared.values()
 
     def _zero(self, module: torch.nn.Module, opt: torch.optim.Optimizer | None) -> None:
         if self.zero_grad == "never":
@@ -307,214 +258,6 @@ class _Run:
             ) from exc
         return real if isinstance(real, torch.Tensor) else None
 
-    # -- comparison -----------------------------------------------------------------------------
-
-    def _kind(self, g: Any) -> _Grad:
-        if g is None:
-            return _Grad("none", None)
-        if isinstance(g, self.fake_cls):
-            return _Grad("fake", None)
-        return _Grad("real", g)
-
-    def _compare_step(self, step: int, loss_e: torch.Tensor, loss_p: torch.Tensor | None) -> None:
-        le = _scalar(loss_e)
-        lp = None if loss_p is None else _scalar(loss_p)
-        diff = None if lp is None or le is None else abs(lp - le)
-        self.losses.append({"eager": le, "patched": lp, "abs_diff": diff})
-        if lp is None:
-            self.general.append(f"step {step}: the patched loss has no real values")
-        elif le is not None and not _close_scalar(le, lp, loss_e.dtype, self.atol, self.rtol):
-            why = (
-                "the forward values under the fake mode are wrong, so every gradient is suspect"
-                if step == 1
-                else "the forward values under the fake mode are wrong, or the differences of "
-                "earlier steps changed the parameters"
-            )
-            self.general.append(f"step {step}: loss differs from eager ({lp!r} vs {le!r}): {why}")
-        for name, row in self.rows.items():
-            pe, pp = self.e_params[name], self.p_params[name]
-            ge, gp = self._kind(pe.grad), self._kind(pp.grad)
-            if step == 1:
-                row.eager_grad, row.grad = ge.kind, gp.kind
-            else:
-                row.eager_grad = _worse(row.eager_grad, ge.kind)
-                row.grad = _worse(row.grad, gp.kind)
-            if gp.kind == "fake":
-                _problem(row, f"step {step}: a FakeTensor was left in .grad")
-            elif gp.kind != ge.kind:
-                what = (
-                    "no gradient where eager has one"
-                    if gp.kind == "none"
-                    else "a gradient where eager has none"
-                )
-                _problem(row, f"step {step}: {what}")
-            if ge.tensor is not None and gp.tensor is not None:
-                self._compare_grads(step, row, ge.tensor, gp.tensor)
-            if step > 1:
-                self._identity(step, row, name, pe.grad, pp.grad)
-            self.prev_e[name], self.prev_p[name] = pe.grad, pp.grad
-
-    def _compare_grads(
-        self, step: int, row: ParamReport, ge: torch.Tensor, gp: torch.Tensor
-    ) -> None:
-        row.eager_grad_dtype, row.grad_dtype = _dt(ge.dtype), _dt(gp.dtype)
-        row.eager_grad_device, row.grad_device = str(ge.device), str(gp.device)
-        row.eager_grad_strides = _strides(ge)
-        row.grad_strides = _strides(gp)
-        if gp.dtype != ge.dtype:
-            _problem(row, f"step {step}: grad dtype {_dt(gp.dtype)} (eager {_dt(ge.dtype)})")
-        if gp.device != ge.device:
-            _problem(row, f"step {step}: grad device {gp.device} (eager {ge.device})")
-        if gp.layout != ge.layout:
-            _problem(row, f"step {step}: grad layout {gp.layout} (eager {ge.layout})")
-        elif row.grad_strides != row.eager_grad_strides:
-            _problem(
-                row,
-                f"step {step}: grad strides {tuple(row.grad_strides or ())} "
-                f"(eager {tuple(row.eager_grad_strides or ())})",
-            )
-        if gp.shape != ge.shape:
-            _problem(row, f"step {step}: grad shape {list(gp.shape)} (eager {list(ge.shape)})")
-            return
-        rtol, atol = _tolerance(ge.dtype, self.atol, self.rtol)
-        row.rtol, row.atol = rtol, atol
-        abs_diff, rel_diff, close = _difference(gp, ge, rtol, atol)
-        row.max_abs = _max(row.max_abs, abs_diff)
-        row.max_rel = _max(row.max_rel, rel_diff)
-        if not close:
-            _problem(
-                row,
-                f"step {step}: gradient differs from eager: max abs {abs_diff:.3e}, max rel "
-                f"{rel_diff:.3e} (atol {atol:g}, rtol {rtol:g})",
-            )
-
-    def _identity(self, step: int, row: ParamReport, name: str, ge: Any, gp: Any) -> None:
-        prev_e, prev_p = self.prev_e.get(name), self.prev_p.get(name)
-        kept_e = prev_e is not None and ge is prev_e
-        kept_p = prev_p is not None and gp is prev_p
-        # the report column: the weakest statement over the steps ("new" once replaced)
-        row.eager_identity = "new" if not kept_e or row.eager_identity == "new" else "kept"
-        row.identity = "new" if not kept_p or row.identity == "new" else "kept"
-        if kept_e and not kept_p:
-            _problem(
-                row,
-                f"step {step}: .grad was replaced by a new tensor; eager kept the same object "
-                "(optimizers and DDP buckets holding it miss the update)",
-            )
-        elif kept_p and not kept_e:
-            _problem(row, f"step {step}: .grad kept the same object; eager replaced it")
-
-    def _compare_values(self) -> None:
-        for name, row in self.rows.items():
-            pe, pp = self.e_params[name], self.p_params[name]
-            if isinstance(pp, self.fake_cls) or pe.shape != pp.shape:
-                _problem(row, "parameter is no longer a real tensor of its shape after the step")
-                continue
-            rtol, atol = _tolerance(pe.dtype, self.atol, self.rtol)
-            abs_diff, rel_diff, close = _difference(pp.detach(), pe.detach(), rtol, atol)
-            row.value_max_abs = _max(row.value_max_abs, abs_diff)
-            if not close and not any("value" in p for p in row.problems):
-                _problem(
-                    row,
-                    f"parameter value after the optimizer step differs from eager: max abs "
-                    f"{abs_diff:.3e}, max rel {rel_diff:.3e}",
-                )
-
-    # -- the report -----------------------------------------------------------------------------
-
-    def _outcomes(self, names: dict[int, str]) -> None:
-        unknown = 0
-        internal: dict[str, int] = {}
-        for event in self.events:
-            kind = event.get("event")
-            if kind == "internal_error":
-                text = (
-                    f"internal error in fakegrad_patch ({event.get('where')}): {event.get('error')}"
-                )
-                internal[text] = internal.get(text, 0) + 1
-                continue
-            name = names.get(event.get("leaf_id", -1))
-            if kind == "d2_repaired" and name is not None:
-                self.rows[name].d2_repairs += 1
-            action = _PATCH_EVENTS.get(str(kind))
-            if action is None:
-                continue
-            if name is None:
-                unknown += 1
-                continue
-            row = self.rows[name]
-            key = "zeros" if event.get("source") == "zeros" else action
-            row.outcomes[key] = row.outcomes.get(key, 0) + 1
-            row.zero_copy += bool(event.get("zero_copy"))
-            row.bytes += int(event.get("bytes") or 0)
-        for row in self.rows.values():
-            for key in _BAD_OUTCOMES:
-                if row.outcomes.get(key):
-                    _problem(row, f"patch outcome {key!r} x{row.outcomes[key]} (see the trace)")
-        self.general += [f"{text} (x{n})" if n > 1 else text for text, n in internal.items()]
-        repairs = sum(row.d2_repairs for row in self.rows.values())
-        if repairs:
-            self.notes.append(
-                "this torch build has defect D2 (converted parameters get uninitialised values): "
-                f"the patch repaired parameter values {repairs} time(s)"
-            )
-        if unknown:
-            self.notes.append(
-                f"{unknown} fake gradient(s) reached real leaves that are not parameters of the "
-                "model (inputs requiring grad, tensors created in forward)"
-            )
-
-    def _buffers(self, strict: bool) -> list[BufferReport]:
-        out = []
-        e_buffers = dict(self.eager.named_buffers())
-        for name, bp in self.patched.named_buffers():
-            be = e_buffers.get(name)
-            if be is None:
-                continue
-            row = BufferReport(name, list(bp.shape), _dt(bp.dtype), str(bp.device), True)
-            if isinstance(bp, self.fake_cls):
-                row.matches, row.note = False, "a FakeTensor replaced the buffer"
-            elif bp.shape != be.shape or bp.dtype != be.dtype:
-                row.matches, row.note = False, "shape or dtype differs from eager"
-            else:
-                rtol, atol = _tolerance(be.dtype, self.atol, self.rtol)
-                abs_diff, _, close = _difference(bp, be, rtol, atol)
-                row.max_abs = abs_diff
-                if not close:
-                    row.matches = False
-                    row.note = (
-                        _BUFFER_NOTE_WRITE_BACK if self.buffers == "write_back" else _BUFFER_NOTE
-                    )
-            out.append(row)
-        if any(not b.matches for b in out):
-            if not strict:
-                self.notes.append(
-                    "buffers marked ~ differ from eager; this does not fail the verdict "
-                    '(check_buffers="strict" makes it)'
-                )
-            if self.buffers != "write_back":
-                self.notes.append(
-                    "buffers updated in place inside the mode stay stale by default (upstream "
-                    'semantics): buffers="write_back" (verify(..., buffers="write_back"), '
-                    "fakegrad_patch.configure(buffers=...), FAKEGRAD_BUFFERS=write_back, "
-                    "verify --buffers write_back) makes them reach the real buffers as in eager"
-                )
-        lost = [e for e in self.events if e.get("event") == "update_lost"]
-        if lost:
-            kinds = sorted({str(e.get("kind")) for e in lost})
-            self.notes.append(
-                f"in-place updates of real tensors inside the mode that reached only fake "
-                f"copies: {len(lost)} ({', '.join(kinds)}; update_lost events): "
-                f"{lost[0].get('fix')}"
-            )
-        written = [e for e in self.events if e.get("event") == "buffer_written_back"]
-        if written:
-            nbytes = sum(int(e.get("bytes") or 0) for e in written)
-            self.notes.append(
-                f"buffers written back to the real buffers: {len(written)} time(s), {nbytes} bytes"
-            )
-        return out
-
     def report(
         self,
         model: torch.nn.Module,
@@ -522,22 +265,23 @@ class _Run:
         steps: int,
         check_buffers: bool | Literal["strict"],
     ) -> VerifyReport:
-        self._outcomes(names)
+        compared = self.compared
+        compared.outcomes(self.events, names)
         strict = check_buffers == "strict"
-        buffers = self._buffers(strict) if check_buffers else []
+        buffers = compared.buffers(self.events, strict) if check_buffers else []
         return VerifyReport(
             model=type(model).__name__,
             torch=torch.__version__,
             steps=steps,
             optimizer=None if self.opt_eager is None else type(self.opt_eager).__name__,
             zero_grad=self.zero_grad,
-            parameters=list(self.rows.values()),
+            parameters=list(compared.rows.values()),
             buffers=buffers,
-            losses=self.losses,
+            losses=compared.losses,
             strict_buffers=strict,
             buffers_mode=self.buffers,
-            general_problems=self.general,
-            notes=self.notes,
+            general_problems=compared.general,
+            notes=compared.notes,
         )
 
 
@@ -631,81 +375,3 @@ def _check_loss(loss: Any) -> None:
             "verify: the loss does not require grad: no parameter of the model takes part in it "
             "(all frozen, or the forward detaches its output)"
         )
-
-
-def _scalar(t: torch.Tensor) -> float | None:
-    with contextlib.suppress(Exception):
-        value = t.detach().reshape(()).to("cpu", torch.float64)
-        return float(value.abs() if value.is_complex() else value)
-    return None
-
-
-def _close_scalar(a: float, b: float, dtype: torch.dtype, atol: Tolerance, rtol: Tolerance) -> bool:
-    r, at = _tolerance(dtype, atol, rtol)
-    if math.isnan(a) and math.isnan(b):
-        return True
-    return abs(a - b) <= at + r * abs(a)
-
-
-def _tolerance(dtype: torch.dtype, atol: Tolerance, rtol: Tolerance) -> tuple[float, float]:
-    default_rtol, default_atol = DEFAULT_TOLERANCES.get(dtype, _FALLBACK_TOLERANCE)
-    return _pick(rtol, dtype, default_rtol), _pick(atol, dtype, default_atol)
-
-
-def _pick(given: Tolerance, dtype: torch.dtype, default: float) -> float:
-    if given is None:
-        return default
-    if isinstance(given, Mapping):
-        return float(given.get(dtype, default))
-    return float(given)
-
-
-def _difference(
-    actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float
-) -> tuple[float, float, bool]:
-    """(max abs, max rel over non-zero expected, allclose with NaN == NaN)."""
-    with torch.no_grad():
-        a, e = _dense(actual), _dense(expected)
-        wide = torch.complex128 if a.is_complex() or e.is_complex() else torch.float64
-        if a.device.type == "mps":  # no float64 there
-            a, e = a.cpu(), e.cpu()
-        a, e = a.to(wide), e.to(wide)
-        if a.numel() == 0:
-            return 0.0, 0.0, True
-        both_nan = torch.isnan(a) & torch.isnan(e)
-        diff = (a - e).abs().masked_fill(both_nan, 0)
-        diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff).real
-        magnitude = e.abs().real
-        nonzero = magnitude > 0
-        rel = (diff[nonzero] / magnitude[nonzero]).max() if bool(nonzero.any()) else diff.max()
-        close = bool((diff <= atol + rtol * magnitude.nan_to_num(0)).all())
-        return float(diff.max()), float(rel), close
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    return t.to_dense() if t.layout != torch.strided else t.detach()
-
-
-def _strides(t: torch.Tensor) -> list[int] | None:
-    return list(t.stride()) if t.layout == torch.strided else None
-
-
-def _max(old: float | None, new: float) -> float:
-    return new if old is None or new > old or math.isnan(new) else old
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-_KIND_RANK = {"real": 0, "none": 1, "fake": 2}
-
-
-def _worse(current: str, kind: str) -> str:
-    """``grad``/``eager_grad`` columns: ``real`` only when every step had a real gradient."""
-    return kind if _KIND_RANK[kind] > _KIND_RANK[current] else current
-
-
-def _problem(row: ParamReport, text: str) -> None:
-    if text not in row.problems:
-        row.problems.append(text)

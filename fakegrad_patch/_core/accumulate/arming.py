@@ -162,9 +162,9 @@ class Arming:
             return None
         if not self._applied.ready():
             return None  # probe D1: this torch writes real gradients itself
-        values = self._applied.values
+        unseen = self._applied.values.unseen
         for mode in modes:
-            values.check_mode(mode)
+            unseen.check_mode(mode)
         span = _profiling.begin(_profiling.ARM)  # None unless a profiler records
         try:
             pairs, keep = self.collect(roots)

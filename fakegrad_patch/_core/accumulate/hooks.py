@@ -163,7 +163,7 @@ class Materializer:
         self._adopt = adopt
         self._note_grads = note_grads
         #: ``untrusted(grad)``: True when the fake gradient was computed from propagated values
-        #: the patch could not vouch for (see _values.Values.tainted); None: never.
+        #: the patch could not vouch for (see convert/unseen.py); None: never.
         self._untrusted = untrusted
         #: None until calibrated (and forever if calibration failed): the set path then copies.
         self.baseline: AdoptBaseline | None = None

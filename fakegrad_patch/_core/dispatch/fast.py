@@ -51,8 +51,8 @@ class FastPath:
         self._is_fake = resolved.is_fake
         self._stats = stats
         # optional touch points: absent on a build, the fast path stands aside
-        self._from_meta = _targets._resolve_optional(_targets.FROM_META_AND_DEVICE)
-        self._in_kernel = _targets._resolve_optional(_targets.IN_KERNEL_INVOCATION)
+        self._from_meta = _targets.resolve_optional(_targets.FROM_META_AND_DEVICE)
+        self._in_kernel = _targets.resolve_optional(_targets.IN_KERNEL_INVOCATION)
 
     # -- the three kinds ---------------------------------------------------------------------
 

@@ -113,7 +113,7 @@ def _read(func: Any) -> OpFacts:
     )
     written_names = frozenset() if inplace_view else frozenset(n for _, n in written)
     returns_alias = any(r.alias_info is not None for r in schema.returns)
-    allow_numbers = _targets._resolve_optional(_targets.SHOULD_ALLOW_NUMBERS)
+    allow_numbers = _targets.resolve_optional(_targets.SHOULD_ALLOW_NUMBERS)
     return OpFacts(
         kind=_kind(func, schema, arguments, name, inplace_view, written),
         written=written,

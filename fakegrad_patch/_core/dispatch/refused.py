@@ -33,7 +33,7 @@ class Refused:
         self._is_fake = resolved.is_fake
         self._stats = stats
         self._fast = fast
-        self._in_kernel = _targets._resolve_optional(_targets.IN_KERNEL_INVOCATION)
+        self._in_kernel = _targets.resolve_optional(_targets.IN_KERNEL_INVOCATION)
 
     def set_storage(self, mode: Any, func: Any, op: Any) -> Any:
         """``fake.set_(storage, offset, size, stride)`` (and ``set_(source)``): upstream's real

@@ -62,7 +62,7 @@ class Upstream:
         self._stats = stats
         self._fast = fast
         self._mismatch = mismatch
-        self._in_kernel = _targets._resolve_optional(_targets.IN_KERNEL_INVOCATION)
+        self._in_kernel = _targets.resolve_optional(_targets.IN_KERNEL_INVOCATION)
 
     def call(
         self, wrapped: Any, args: Any, kwargs: Any, mode: Any, func: Any, op: Any, facts: OpFacts

@@ -72,7 +72,7 @@ class Dispatcher:
         #: ops the mode answers from metadata (``prim.device``): handed straight on
         self._direct = _targets.direct_ops(resolved.fake_tensor_module)
         self._can_read_frames = (
-            _targets._resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT) is not None
+            _targets.resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT) is not None
         )
 
     # -- on / off -------------------------------------------------------------------------------
@@ -87,9 +87,9 @@ class Dispatcher:
         import wrapt
 
         # import first, then lock: resolving a target may import
-        if _targets._resolve_optional(_targets.FAKE_MODE_DISPATCH) is None:
+        if _targets.resolve_optional(_targets.FAKE_MODE_DISPATCH) is None:
             return False
-        fallback_ok = _targets._resolve_optional(_targets.RUN_FALLBACK_KERNEL) is not None
+        fallback_ok = _targets.resolve_optional(_targets.RUN_FALLBACK_KERNEL) is not None
         with self._lock:
             if self.observing:
                 return True

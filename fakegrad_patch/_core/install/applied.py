@@ -89,7 +89,7 @@ class Applied:
         )
         self._mode_init_wrapper: Any = None
         mode_cls = self.resolved.fake_mode_cls
-        if "__init__" in mode_cls.__dict__ and _targets._resolve_optional(_targets.FAKE_MODE_INIT):
+        if "__init__" in mode_cls.__dict__ and _targets.resolve_optional(_targets.FAKE_MODE_INIT):
             wrapt.wrap_function_wrapper(mode_cls, "__init__", self._mode_built)
             self._mode_init_wrapper = mode_cls.__dict__["__init__"]
         #: modes cannot be seen being built: the interception is in place for good
@@ -107,7 +107,7 @@ class Applied:
         self.ddp = _ddp
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
         self._mismatch_wrapper: Any = None
-        error_cls = _targets._resolve_optional(_targets.METADATA_MISMATCH_ERROR)
+        error_cls = _targets.resolve_optional(_targets.METADATA_MISMATCH_ERROR)
         if isinstance(error_cls, type) and "__init__" in error_cls.__dict__:
             self._mismatch_cls = error_cls
             wrapt.wrap_function_wrapper(error_cls, "__init__", self.mismatch.init)
@@ -198,7 +198,7 @@ class Applied:
         live propagating converter's records get hooks that last until their node dies. Returns
         how many hooks are left to finish."""
         from ..convert import records as _records
-        from ..convert import values as _values
+        from ..convert import unseen as _unseen
 
         self.active = False
         self.values.active = False
@@ -224,7 +224,7 @@ class Applied:
                 self.arming.arm_lasting(leaves)
         except Exception as exc:  # never break the host
             self.internal_error("uninstall", exc)
-        _values.new_generation()
+        _unseen.new_generation()
         from ..accumulate import arming as arming_module
 
         return arming_module.armed_count()

@@ -36,23 +36,23 @@ class FirstNeed:
         mode = getattr(grad, "fake_mode", None)
         applied = self._applied
         if not applied.active:
-            return applied.values.check_mode(mode, definite_only=True)
+            return applied.values.unseen.check_mode(mode, definite_only=True)
         # Per gradient, the mode is nearly always the one the last gradient had: its answer
         # holds until the next generation (uninstall) or a new taint (the hook's cost).
-        from ..convert import values
+        from ..convert import unseen
 
         trusted = self._trusted
         if (
             trusted is not None
             and trusted[0]() is mode
-            and trusted[1] == values.generation()
-            and trusted[2] == values.taint_count()
+            and trusted[1] == unseen.generation()
+            and trusted[2] == unseen.taint_count()
         ):
             return False
-        if applied.values.check_mode(mode):
+        if applied.values.unseen.check_mode(mode):
             return True
         if mode is not None:
-            self._trusted = (weakref.ref(mode), values.generation(), values.taint_count())
+            self._trusted = (weakref.ref(mode), unseen.generation(), unseen.taint_count())
         return False
 
     def ready(self) -> bool:

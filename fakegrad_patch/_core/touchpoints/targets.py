@@ -10,6 +10,12 @@ Checked on: torch 2.4.0 (Python 3.10), 2.13.0+cpu and 2.14.1+cu130 (run on CPU, 
 2.15.0 (Python 3.12, 3.13). Older builds (2.3.1 measured) have no real-value propagation
 (``fake_tensor_propagate_real_tensors``, ``FakeTensor.real_tensor``, ``Tensor._use_count``
 absent): the patch refuses to apply there, with one warning.
+
+Why it is long: one module by design, so that a reader (or a torch upgrade) finds every private
+name in one file; most of its lines are the banners. Sections, in order: the touch points
+(``Target`` definitions), resolving them (``Resolved``), the readers of FakeTensorMode's frames,
+DDP's and FSDP2's targets, torch.profiler's, TorchScript's builtin table, and the lists read from
+the definitions.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ TESTED_TORCH: tuple[str, str] = ("2.4.0", "2.15.0")
 FAKE_TENSOR_MODULE = "torch._subclasses.fake_tensor"
 
 
+#: every Target, in the order of this module (the lists at its end read it)
+_REGISTERED: list[Target] = []
+
+
 @dataclass(frozen=True)
 class Target:
     """One private attribute of torch that fakegrad_patch relies on."""
@@ -40,6 +50,16 @@ class Target:
     qualname: str
     why: str
     checked_on: tuple[str, ...] = CHECKED_ON
+    #: absent, a detail degrades (said by ``doctor``); present or not, the patch applies
+    optional: bool = False
+    #: "core" (resolved with the patch) or "ddp" (resolved apart: a missing one leaves DDP to
+    #: upstream, the rest of the patch applies)
+    group: str = "core"
+    #: an attribute set on instances (read there): the class is what can be checked
+    on_instances: bool = False
+
+    def __post_init__(self) -> None:
+        _REGISTERED.append(self)
 
     @property
     def dotted(self) -> str:
@@ -147,6 +167,7 @@ IS_FAKE_TENSOR = Target(
     FAKE_TENSOR_MODULE,
     "is_fake_tensor",
     "optional: recognise fakes the way torch does (2.14+); isinstance fallback",
+    optional=True,
 )
 
 #: CALLED, OPTIONAL. torch's accessor for a fake's propagated real tensor (2.14+). Fallback: the
@@ -155,6 +176,7 @@ MAYBE_GET_REAL_TENSOR = Target(
     FAKE_TENSOR_MODULE,
     "maybe_get_real_tensor",
     "optional: a fake's propagated values the way torch reads them (2.14+)",
+    optional=True,
 )
 
 #: CALLED, OPTIONAL. Whether FakeTensorMode lets an op bind Python numbers to tensors; with no fake
@@ -168,6 +190,7 @@ SHOULD_ALLOW_NUMBERS = Target(
     FAKE_TENSOR_MODULE,
     "should_allow_numbers_as_tensors",
     "optional: ops FakeTensorMode already runs for real on all-real arguments",
+    optional=True,
 )
 
 #: READ, OPTIONAL. The dict behind ``Tensor.register_post_accumulate_grad_hook``. Only used on
@@ -177,6 +200,7 @@ POST_ACCUMULATE_HOOKS = Target(
     "torch",
     "Tensor._post_accumulate_grad_hooks",
     "optional: run post-accumulate hooks where the build skips them after our pre-hook",
+    optional=True,
 )
 
 #: CALLED, OPTIONAL. Id of the backward pass (GraphTask) running on this thread, -1 outside one.
@@ -185,6 +209,7 @@ GRAPH_TASK_ID = Target(
     "torch._C",
     "_current_graph_task_id",
     "optional: backward-pass id in trace events",
+    optional=True,
 )
 
 #: READ. Per-mode switch of real-value propagation (an instance attribute set from the config at
@@ -196,6 +221,7 @@ PROPAGATE_ATTR = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorMode.propagate_real_tensors",
     "act only in modes that propagate real values (instance attribute)",
+    on_instances=True,
 )
 
 #: CALLED, OPTIONAL. The functorch interpreter stack (non-empty inside ``torch.func.grad``,
@@ -204,6 +230,7 @@ FUNCTORCH_STACK = Target(
     "torch._C._functorch",
     "peek_interpreter_stack",
     "optional: stand aside inside functorch transforms",
+    optional=True,
 )
 
 #: READ, OPTIONAL. Compiled autograd's module flags ``compiled_autograd_enabled`` (while it
@@ -215,6 +242,7 @@ COMPILED_AUTOGRAD = Target(
     "torch._dynamo.compiled_autograd",
     "compiled_autograd_enabled",
     "optional: stand aside inside compiled autograd (read only if imported)",
+    optional=True,
 )
 
 #: READ, OPTIONAL. What a converter converted: the real tensors it described
@@ -228,6 +256,8 @@ DESCRIBED_TENSORS = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorConverter.meta_converter",
     "optional: conversions made while the patch was not installed (D2 builds)",
+    optional=True,
+    on_instances=True,
 )
 
 #: CALLED, OPTIONAL. ``torch._dynamo.trace_rules.add(import_name)``: adds a package's directory to
@@ -246,6 +276,7 @@ DYNAMO_SKIP = Target(
     "torch._dynamo.trace_rules",
     "add",
     "optional: dynamo never compiles the patch's own frames",
+    optional=True,
 )
 
 #: WRAPPED, OPTIONAL, from the first propagating user mode on (its construction, FAKE_MODE_INIT,
@@ -264,6 +295,7 @@ FAKE_MODE_DISPATCH = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorMode.dispatch",
     "optional: buffers='write_back' (the outermost op of a mode)",
+    optional=True,
 )
 
 #: WRAPPED, OPTIONAL. ``MetadataMismatchError`` (a dataclass ``RuntimeError`` with ``reason``):
@@ -277,6 +309,7 @@ METADATA_MISMATCH_ERROR = Target(
     FAKE_TENSOR_MODULE,
     "MetadataMismatchError",
     "optional: say plainly when propagation refuses a fake kernel",
+    optional=True,
 )
 
 #: CALLED, OPTIONAL. ``torch.autograd._profiler_enabled()``: True while ``torch.profiler.profile``
@@ -286,6 +319,7 @@ PROFILER_ENABLED = Target(
     "torch.autograd",
     "_profiler_enabled",
     "optional: open profiler ranges only while a profiler records",
+    optional=True,
 )
 
 #: CALLED, OPTIONAL. ``torch._C._profiler._RecordFunctionFast(name)``: the C++ ``RecordFunction``
@@ -296,6 +330,7 @@ RECORD_FUNCTION_FAST = Target(
     "torch._C._profiler",
     "_RecordFunctionFast",
     "optional: name the patch's work (arm, materialize) in torch.profiler traces",
+    optional=True,
 )
 
 #: WRAPPED, OPTIONAL. ``FakeTensorMode.__init__``: after a mode is built, the wrapper reads its
@@ -314,6 +349,7 @@ FAKE_MODE_INIT = Target(
     "FakeTensorMode.__init__",
     "optional: a propagating mode is built (backward interception while it lives)",
     ("2.13.0+cpu", "2.14.1+cu130"),
+    optional=True,
 )
 
 #: WRITTEN, OPTIONAL. TorchScript's builtin table (``torch.jit._builtins._builtin_ops``, a list of
@@ -329,6 +365,7 @@ SCRIPT_BUILTINS = Target(
     "_builtin_ops",
     "optional: TorchScript sees torch's builtin for the backward wrapper",
     ("2.13.0+cpu", "2.14.1+cu130"),
+    optional=True,
 )
 
 #: WRAPPED, OPTIONAL, like FAKE_MODE_DISPATCH (while a propagating user mode lives).
@@ -347,6 +384,7 @@ RUN_FALLBACK_KERNEL = Target(
     "run_fallback_kernel",
     "optional: outputs of the unsafe fallback kernel get the real kernel's values",
     ("2.4.0", "2.13.0+cpu", "2.14.1+cu130"),
+    optional=True,
 )
 
 #: READ, OPTIONAL. The locals ``real_out`` and ``nil`` of a ``FakeTensorMode._dispatch_impl``
@@ -367,6 +405,7 @@ DISPATCH_IMPL_REAL_OUT = Target(
     "FakeTensorMode._dispatch_impl",
     "optional: the real kernel's output of the op being dispatched (frame locals)",
     ("2.4.0", "2.13.0+cpu", "2.14.1+cu130", "2.15.0"),
+    optional=True,
 )
 
 #: CALLED, OPTIONAL. ``FakeTensorConverter.from_meta_and_device(fake_mode, meta, device)``:
@@ -378,6 +417,7 @@ FROM_META_AND_DEVICE = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorConverter.from_meta_and_device",
     "optional: fake outputs made from a real kernel's outputs",
+    optional=True,
 )
 
 #: CALLED, OPTIONAL. ``in_kernel_invocation_manager(fake_mode)``: the context FakeTensorMode runs
@@ -389,6 +429,7 @@ IN_KERNEL_INVOCATION = Target(
     FAKE_TENSOR_MODULE,
     "in_kernel_invocation_manager",
     "optional: fake views made over the aliased fake's storage (the fast path)",
+    optional=True,
 )
 
 #: READ, OPTIONAL. ``_DISPATCH_META_HANDLERS`` (a dict: ``prim.device``, ``aten.sym_size``, ...)
@@ -400,59 +441,7 @@ DISPATCH_DIRECT_OPS = Target(
     FAKE_TENSOR_MODULE,
     "_DISPATCH_META_HANDLERS",
     "optional: ops the mode answers from metadata pass the dispatch wrapper at once",
-)
-
-ALL_TARGETS: tuple[Target, ...] = (
-    FROM_REAL_TENSOR,
-    FAKE_TENSOR,
-    FAKE_TENSOR_MODE,
-    DISABLE_CURRENT_MODES,
-    NO_DISPATCH,
-    PROPAGATE_CONFIG,
-    FORCE_DISPATCH_KEY_GUARD,
-    TLS_INCLUDE_SET,
-    TLS_EXCLUDE_SET,
-    TENSOR_USE_COUNT,
-    IS_FAKE_TENSOR,
-    MAYBE_GET_REAL_TENSOR,
-    POST_ACCUMULATE_HOOKS,
-    SHOULD_ALLOW_NUMBERS,
-    GRAPH_TASK_ID,
-    FUNCTORCH_STACK,
-    FAKE_MODE_DISPATCH,
-    FAKE_MODE_INIT,
-    METADATA_MISMATCH_ERROR,
-    PROFILER_ENABLED,
-    RECORD_FUNCTION_FAST,
-    SCRIPT_BUILTINS,
-    RUN_FALLBACK_KERNEL,
-    DISPATCH_IMPL_REAL_OUT,
-    FROM_META_AND_DEVICE,
-    DISPATCH_DIRECT_OPS,
-    IN_KERNEL_INVOCATION,
-)
-
-#: Targets whose absence degrades a detail instead of blocking the patch.
-OPTIONAL_TARGETS: frozenset[Target] = frozenset(
-    {
-        GRAPH_TASK_ID,
-        IS_FAKE_TENSOR,
-        MAYBE_GET_REAL_TENSOR,
-        POST_ACCUMULATE_HOOKS,
-        SHOULD_ALLOW_NUMBERS,
-        FUNCTORCH_STACK,
-        FAKE_MODE_DISPATCH,
-        FAKE_MODE_INIT,
-        METADATA_MISMATCH_ERROR,
-        PROFILER_ENABLED,
-        RECORD_FUNCTION_FAST,
-        SCRIPT_BUILTINS,
-        RUN_FALLBACK_KERNEL,
-        DISPATCH_IMPL_REAL_OUT,
-        FROM_META_AND_DEVICE,
-        DISPATCH_DIRECT_OPS,
-        IN_KERNEL_INVOCATION,
-    }
+    optional=True,
 )
 
 #: CALLED. Set a tensor's conjugate / negative view bit (what ``conj()`` and ``_neg_view`` do to
@@ -561,6 +550,9 @@ AUTOGRAD_BACKWARD = Target(
 _FROM_REAL_TENSOR_PARAMS = ("self", "fake_mode", "t")
 
 
+# --- Resolving them -------------------------------------------------------------------------
+
+
 class MissingTargetError(LookupError):
     """A private torch target is absent or has a signature the patch does not know."""
 
@@ -570,13 +562,15 @@ class MissingTargetError(LookupError):
         self.reason = reason
 
 
-def resolve(target: Target) -> Any:
-    """Return the object named by ``target`` or raise :class:`MissingTargetError`."""
+def resolve(target: Target, *, owner_only: bool = False) -> Any:
+    """Return the object named by ``target`` or raise :class:`MissingTargetError`
+    (``owner_only``: the class that owns it, for an attribute set on instances)."""
     try:
         obj: Any = importlib.import_module(target.module)
     except ImportError as exc:
         raise MissingTargetError(target, f"module not importable ({exc})") from None
-    for part in target.qualname.split("."):
+    parts = target.qualname.split(".")
+    for part in parts[:-1] if owner_only else parts:
         try:
             obj = getattr(obj, part)
         except AttributeError:
@@ -645,7 +639,7 @@ def resolve_all() -> Resolved:
         disable_current_modes=disable_current_modes,
         no_dispatch=resolve(NO_DISPATCH),
         functorch_config=importlib.import_module(PROPAGATE_CONFIG.module),
-        graph_task_id=_resolve_optional(GRAPH_TASK_ID),
+        graph_task_id=resolve_optional(GRAPH_TASK_ID),
         grad_accumulator=_make_grad_accumulator_getter(),
         ordinary_dispatch=_make_ordinary_dispatch(),
         value_keys=_make_value_keys(),
@@ -667,8 +661,8 @@ def resolve_all() -> Resolved:
 def _make_current_fake_mode() -> Callable[[], Any] | None:
     """``current_fake_mode()``: the fake mode on this thread's dispatch stack (GET_DISPATCH_MODE);
     None where the build lacks it."""
-    get_mode = _resolve_optional(GET_DISPATCH_MODE)
-    fake_key = _resolve_optional(DISPATCH_MODE_KEY_FAKE)
+    get_mode = resolve_optional(GET_DISPATCH_MODE)
+    fake_key = resolve_optional(DISPATCH_MODE_KEY_FAKE)
     if get_mode is None or fake_key is None:
         return None
     return lambda: get_mode(fake_key)
@@ -679,7 +673,7 @@ def _make_torch_is_tracing() -> Callable[[], bool]:
     captures or runs a backward (see FUNCTORCH_STACK, COMPILED_AUTOGRAD)."""
     import sys
 
-    peek = _resolve_optional(FUNCTORCH_STACK)
+    peek = resolve_optional(FUNCTORCH_STACK)
     modules = sys.modules
     name = COMPILED_AUTOGRAD.module
 
@@ -740,7 +734,7 @@ def _described_tensors(converter: Any) -> Any:
 def _make_is_fake(fake_cls: type) -> Callable[[Any], bool]:
     """``is_fake(x)``: the exact-type test first (the common case, ~50 ns), then torch's own
     helper where the build has one (C++ fakes), else ``isinstance``."""
-    helper = _resolve_optional(IS_FAKE_TENSOR)
+    helper = resolve_optional(IS_FAKE_TENSOR)
     if helper is None:
         return lambda x: isinstance(x, fake_cls)
     return lambda x: type(x) is fake_cls or bool(helper(x))
@@ -751,7 +745,7 @@ def _make_real_of(fake_cls: type) -> Callable[[Any], Any]:
     attribute torch's own helper reads (``FakeTensor.real_tensor``) without the helper's frame
     (once per materialized gradient); anything else asks the helper where the build
     has one (C++ fakes), else the attribute."""
-    helper = _resolve_optional(MAYBE_GET_REAL_TENSOR)
+    helper = resolve_optional(MAYBE_GET_REAL_TENSOR)
     set_conj, set_neg = resolve(SET_CONJ), resolve(SET_NEG)
     no_dispatch = resolve(NO_DISPATCH)
 
@@ -879,7 +873,7 @@ def _make_op_ran_for_real(mode_cls: type) -> Callable[[], bool | None]:
     when not, None when it cannot tell (then callers keep upstream semantics)."""
     import sys
 
-    allow = _resolve_optional(SHOULD_ALLOW_NUMBERS)
+    allow = resolve_optional(SHOULD_ALLOW_NUMBERS)
 
     def op_ran_for_real() -> bool | None:
         if allow is None:
@@ -890,6 +884,9 @@ def _make_op_ran_for_real(mode_cls: type) -> Callable[[], bool | None]:
         return not local["flat_arg_fake_tensors"] and bool(allow(local["func"]))
 
     return op_ran_for_real
+
+
+# --- Readers of FakeTensorMode's frames (what its dispatch is running, what it raised) -------
 
 
 def _dispatch_impl_locals(frame: Any, mode_cls: type) -> dict[str, Any] | None:
@@ -1014,7 +1011,7 @@ def _make_dispatching_op(mode_cls: type) -> Callable[[], tuple[Any, Any, Any] | 
     return dispatching_op
 
 
-def _resolve_optional(target: Target) -> Any:
+def resolve_optional(target: Target) -> Any:
     try:
         return resolve(target)
     except MissingTargetError:
@@ -1026,7 +1023,7 @@ def report() -> list[tuple[Target, str | None]]:
     rows: list[tuple[Target, str | None]] = []
     for target in ALL_TARGETS:
         try:
-            obj = resolve(target)
+            obj = resolve(target, owner_only=target.on_instances)
             if target is FROM_REAL_TENSOR:
                 _check_from_real_tensor(obj)
         except MissingTargetError as exc:
@@ -1054,6 +1051,7 @@ DDP_PRE_FORWARD = Target(
     "DistributedDataParallel._pre_forward",
     "wrapped: DDP's bucket rebuild, buffer broadcast and join hook run with the fake mode popped",
     ("2.13.0+cpu", "2.14.1+cu130"),
+    group="ddp",
 )
 
 #: WRAPPED. DDP's per-forward wrap-up, run after the module's forward: the post-forward buffer
@@ -1065,6 +1063,7 @@ DDP_POST_FORWARD = Target(
     "DistributedDataParallel._post_forward",
     "wrapped: DDP's post-forward buffer sync and reducer preparation with the fake mode popped",
     ("2.13.0+cpu", "2.14.1+cu130"),
+    group="ddp",
 )
 
 #: CALLED. Pops the active FakeTensorMode (only it: other dispatch modes stay) for a block and
@@ -1076,6 +1075,7 @@ UNSET_FAKE_TEMPORARILY = Target(
     "unset_fake_temporarily",
     "DDP: run the Reducer and DDP's forward pieces with the fake mode popped",
     ("2.13.0+cpu", "2.14.1+cu130"),
+    group="ddp",
 )
 
 #: CALLED. The active infra mode of a kind (``torch._C._get_dispatch_mode(FAKE)``): which fake
@@ -1088,12 +1088,14 @@ GET_DISPATCH_MODE = Target(
     "_get_dispatch_mode",
     "DDP, accumulate: the fake mode a DDP forward, a backward or AccumulateGrad runs in",
     ("2.13.0+cpu", "2.14.1+cu130"),
+    group="ddp",
 )
 DISPATCH_MODE_KEY_FAKE = Target(
     "torch._C",
     "_TorchDispatchModeKey.FAKE",
     "DDP: the key of the fake mode for GET_DISPATCH_MODE",
     ("2.13.0+cpu", "2.14.1+cu130"),
+    group="ddp",
 )
 
 #: The module of FSDP2's per-module state (``fully_shard``), imported lazily by torch.
@@ -1108,6 +1110,7 @@ FSDP_PRE_FORWARD = Target(
     "FSDPState._pre_forward",
     "wrapped: FSDP2's unshard (all-gather) runs with the fake mode popped",
     ("2.13.0+cpu", "2.14.1+cu130"),
+    group="ddp",
 )
 
 #: WRAPPED. FSDP2's forward post-hook: reshard, the pre-backward hook registration on the
@@ -1117,16 +1120,7 @@ FSDP_POST_FORWARD = Target(
     "FSDPState._post_forward",
     "wrapped: FSDP2's reshard and pre-backward registration with the fake mode popped",
     ("2.13.0+cpu", "2.14.1+cu130"),
-)
-
-DDP_TARGETS: tuple[Target, ...] = (
-    DDP_PRE_FORWARD,
-    DDP_POST_FORWARD,
-    UNSET_FAKE_TEMPORARILY,
-    GET_DISPATCH_MODE,
-    DISPATCH_MODE_KEY_FAKE,
-    FSDP_PRE_FORWARD,
-    FSDP_POST_FORWARD,
+    group="ddp",
 )
 
 
@@ -1193,8 +1187,8 @@ def resolve_fsdp() -> type:
 
 def resolve_profiler() -> tuple[Callable[[], bool], Callable[[str], Any]] | None:
     """``(profiler_enabled, RecordFunctionFast)``, or None where either is missing."""
-    enabled = _resolve_optional(PROFILER_ENABLED)
-    record = _resolve_optional(RECORD_FUNCTION_FAST)
+    enabled = resolve_optional(PROFILER_ENABLED)
+    record = resolve_optional(RECORD_FUNCTION_FAST)
     if not callable(enabled) or not callable(record):
         return None
     return enabled, record
@@ -1229,3 +1223,13 @@ def register_script_builtin(alias: Any, original: Any) -> bool:
         return True
     except Exception:
         return False
+
+
+# --- The lists, read from the definitions above (one source) ----------------------------------
+
+#: The core's targets, each reported by ``doctor``.
+ALL_TARGETS: tuple[Target, ...] = tuple(t for t in _REGISTERED if t.group == "core")
+#: Targets whose absence degrades a detail instead of blocking the patch.
+OPTIONAL_TARGETS: frozenset[Target] = frozenset(t for t in ALL_TARGETS if t.optional)
+#: DDP's and FSDP2's, resolved apart (:func:`resolve_ddp`).
+DDP_TARGETS: tuple[Target, ...] = tuple(t for t in _REGISTERED if t.group == "ddp")
