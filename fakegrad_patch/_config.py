@@ -10,6 +10,10 @@ the patch is installed) and ``doctor`` walk the same table. tests/test_settings_
 driven by it.
 
 Standard library only: imported by the start-up path, which must not import torch.
+
+Why it is long: :data:`SETTINGS` is one table (a third of the file) with the parsers it names
+next to it; split, a setting's row and its parser would live apart. Sections: the settings and
+their values, the parsers, the table, reading the environment, the settings in force.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def forced(monkeypatch: pytest.MonkeyPatch) -> _Rendezvous:
 
     meet = _Rendezvous(2)
     can_adopt = _accumulate.Materializer._can_adopt
-    fresh_copy = _accumulate.Materializer._fresh_copy
+    fresh_copy = _accumulate._fresh_copy
     add_ = torch.Tensor.add_
     targets: set[int] = set()
 
@@ -114,7 +114,7 @@ def forced(monkeypatch: pytest.MonkeyPatch) -> _Rendezvous:
         return self
 
     monkeypatch.setattr(_accumulate.Materializer, "_can_adopt", slow_can_adopt)
-    monkeypatch.setattr(_accumulate.Materializer, "_fresh_copy", staticmethod(slow_fresh_copy))
+    monkeypatch.setattr(_accumulate, "_fresh_copy", slow_fresh_copy)
     monkeypatch.setattr(torch.Tensor, "add_", slow_add_)
     meet.targets = targets  # type: ignore[attr-defined]
     return meet

@@ -271,3 +271,96 @@ def test_a_sitecustomize_line_activates(tmp_path: pathlib.Path, line: str) -> No
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == [True, "sitecustomize"]
+
+
+# -- the size of the parts and what they share -------------------------------------------------
+
+#: a module longer than this says why at its top (a "Why it is long:" paragraph in its docstring)
+MODULE_LINES = 600
+#: no class longer than this: a class past it carries more than one concern
+CLASS_LINES = 260
+
+
+def _trees() -> dict[str, ast.Module]:
+    return {name: ast.parse(path.read_text()) for name, path in _modules().items()}
+
+
+def test_a_long_module_says_why_and_no_class_is_long() -> None:
+    """Issue 45: modules stay short enough to read whole, or say at their top why they are one
+    file (the touch points in one place, the reader that runs alone, the settings table); no
+    class runs past ~250 lines."""
+    long_modules, long_classes = {}, {}
+    for name, tree in _trees().items():
+        lines = (PACKAGE / _modules()[name].relative_to(PACKAGE)).read_text().count("\n")
+        doc = ast.get_docstring(tree) or ""
+        if lines > MODULE_LINES and "Why it is long:" not in doc:
+            long_modules[name] = lines
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > CLASS_LINES:
+                    long_classes[f"{name}.{node.name}"] = size
+    assert long_modules == {}, "modules over 600 lines without a 'Why it is long:' paragraph"
+    assert long_classes == {}, f"classes over {CLASS_LINES} lines"
+
+
+def _private_uses(name: str, tree: ast.Module, modules: dict[str, pathlib.Path]) -> list[str]:
+    """The private names (``_x``, not modules) this module takes from another module of the
+    package: ``from .m import _x`` or ``m._x`` where ``m`` is a package module it imported."""
+    package = ("fakegrad_patch." + name).rstrip(".")
+    is_package = modules[name].name == "__init__.py"
+    known = {("fakegrad_patch." + m).rstrip(".") for m in modules}
+    found: list[str] = []
+    aliases: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package if is_package else package.rsplit(".", 1)[0]
+                for _ in range(node.level - 1):
+                    base = base.rsplit(".", 1)[0]
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module or ""
+            if not source.startswith("fakegrad_patch"):
+                continue
+            for alias in node.names:
+                if f"{source}.{alias.name}" in known:
+                    aliases.add(alias.asname or alias.name)  # a module, private or not
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"from {source} import {alias.name}")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_name_is_used_across_modules() -> None:
+    """Issue 45: what a module shares is public in it (a private module of the package may be
+    imported; a private name of a module may not be used by another)."""
+    modules = _modules()
+    offenders = {}
+    for name, tree in _trees().items():
+        found = _private_uses(name, tree, modules)
+        if found:
+            offenders[name] = sorted(set(found))
+    assert offenders == {}
+
+
+def test_the_private_name_check_finds_them() -> None:
+    """The check above is not vacuous: it finds both spellings."""
+    modules = _modules()
+    source = (
+        "from .._config import _shown\n"
+        "from .._core.touchpoints import targets as _targets\n"
+        "_targets._strided()\n"
+        "from .. import _config\n"
+        "_config.current()\n"
+    )
+    found = _private_uses("_tools.verify", ast.parse(source), modules)
+    assert sorted(found) == ["_targets._strided", "from fakegrad_patch._config import _shown"]

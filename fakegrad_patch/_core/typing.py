@@ -40,3 +40,30 @@ class DispatchSwitch(Protocol):
     def observe(self) -> bool: ...
 
     def set_policy(self, explicit: bool) -> None: ...
+
+
+class ModeRegistry(Protocol):
+    """Keeps the backward wrapper in place while a propagating mode lives."""
+
+    def need_mode(self, mode: Any) -> None: ...
+
+
+class FakeLeafMirror(Protocol):
+    """The fake-leaf driver the converter wrapper tells of every conversion."""
+
+    def mirroring(self) -> bool: ...
+
+    def on_convert(self, mode: Any, t: Any, fake: Any) -> None: ...
+
+
+class ModeTrust(Protocol):
+    """Whether a mode's propagated values can be trusted (conversions the patch did not see)."""
+
+    def check_mode(self, mode: Any, *, definite_only: bool = False) -> bool: ...
+
+
+class BackwardScopes(Protocol):
+    """DDP's scope around a backward started inside a mode in which a DDP forward ran."""
+
+    def backward_scope(self) -> Any: ...
+

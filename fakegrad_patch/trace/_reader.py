@@ -13,6 +13,10 @@ traces: input is read in bounded chunks, never a whole line first (lines longer 
 not with the number of lines (backward passes are counted, not collected; every other tally is
 capped at ``_MAX_DISTINCT`` distinct keys). Whatever comes from the file is escaped before it is
 printed for a person, so a trace cannot send control sequences to the terminal.
+
+Why it is long: it is one file on purpose, to run alone wherever a trace was copied. Sections: the
+events it knows, the tallies (``Leaf``, ``Process``, ``Summary``), reading lines in bounded
+chunks, the text report, the command line (and its Chrome-trace export).
 """
 
 from __future__ import annotations

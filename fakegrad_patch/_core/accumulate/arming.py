@@ -28,11 +28,12 @@ Entry points covered: ``Tensor.backward`` (it calls ``torch.autograd.backward`` 
 ``torch.autograd.backward`` with a fake root, fake ``grad_tensors`` into a real graph (and a real
 leaf given as the root: its node is created here and held for the call), ``inputs=...``,
 reentrant checkpointing (its inner backward calls ``torch.autograd.backward``), real non-leaves
-with ``retain_grad()`` that feed the mode (armed at conversion by _values, see
-:meth:`Arming.arm_retained`), graphs spanning several modes, one thread per backward. Graphs built
-while the patch is installed and backwarded after ``uninstall()``: ``uninstall()`` arms the leaves
-of every live propagating converter's records with hooks that stay until their node dies
-(:meth:`Arming.arm_for_uninstall`). Not covered (they never call ``torch.autograd.backward``): the
+with ``retain_grad()`` that feed the mode (armed at conversion by convert/values.py, see
+``Hooks.arm_retained`` in accumulate/hooks.py), graphs spanning several modes, one thread per
+backward. Graphs built while the patch is installed and backwarded after ``uninstall()``:
+``uninstall()`` arms the leaves of every live propagating converter's records with hooks that
+stay until their node dies
+(:meth:`Arming.arm_lasting`). Not covered (they never call ``torch.autograd.backward``): the
 private engine entry ``torch._C._EngineBase.run_backward`` called directly, and references to
 ``torch.autograd.backward`` taken before the patch was applied.
 """
@@ -44,7 +45,6 @@ import pydoc
 import sys
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -55,7 +55,7 @@ from ... import _config, trace
 from ..convert import leaves as _leaves
 from ..touchpoints.probes import bypassed
 from ..touchpoints.targets import Resolved
-from ..weak import WeakIdTable
+from ..typing import BackwardScopes, InternalErrors, ModeTrust, RetainedArmer
 from . import profiling as _profiling
 
 #: The one lock of arming: taken once per armed backward call (a batch of leaves), never by a
@@ -75,10 +75,28 @@ PreHookFactory = Callable[[list[torch.Tensor]], list[Callable[[tuple[Any, ...]],
 class Arming:
     """One installation's arming: the backward wrapper and the hook bookkeeping."""
 
-    def __init__(self, resolved: Resolved, prehooks: PreHookFactory, applied: Any) -> None:
+    def __init__(
+        self,
+        resolved: Resolved,
+        prehooks: PreHookFactory,
+        *,
+        retained: RetainedArmer,
+        trust: ModeTrust,
+        ready: Callable[[], bool],
+        scopes: BackwardScopes,
+        errors: InternalErrors,
+    ) -> None:
         self._resolved = resolved
         self._prehooks = prehooks
-        self._applied = applied
+        #: arms a real non-leaf whose retain_grad() may receive a fake gradient
+        self.arm_retained = retained.arm_retained
+        #: the modes whose propagated values cannot be trusted (checked before arming)
+        self._trust = trust
+        #: whether leaves are armed on this build (probe D1, at first need)
+        self._ready = ready
+        #: DDP's scope around the engine call
+        self._scopes = scopes
+        self._errors = errors
         self._is_fake = resolved.is_fake
         self._tracing = resolved.torch_is_tracing
         self._fake_mode = resolved.current_fake_mode
@@ -88,8 +106,6 @@ class Arming:
             probe = torch.zeros(1, requires_grad=True)
             self._accumulate_grad_cls = type(resolved.grad_accumulator(probe))
         del probe
-        #: real non-leaves with retain_grad() whose hooks are in place
-        self._retained: WeakIdTable[bool] = WeakIdTable()
 
     # -- the wrapper ---------------------------------------------------------------------------
 
@@ -106,7 +122,7 @@ class Arming:
         ):
             # Tensor.backward's call on a real root with a real or no gradient, outside any fake
             # mode: nothing to arm (what _arm_call would find), only DDP's scope to check
-            scope = self._applied.ddp.backward_scope()
+            scope = self._scopes.backward_scope()
             if scope is None:
                 return wrapped(*args, **kwargs)
             with scope:
@@ -117,10 +133,10 @@ class Arming:
         try:
             token = self._arm_call(args, kwargs)
         except Exception as exc:  # never break the host's backward
-            self._applied.internal_error("backward", exc)
+            self._errors.internal_error("backward", exc)
         # DDP inside a fake mode: its Reducer runs with the mode popped (see _ddp); None (no
         # context, no extra Python frame) when no DDP forward ever ran in a fake mode.
-        scope = self._applied.ddp.backward_scope()
+        scope = self._scopes.backward_scope()
         try:
             if scope is None:
                 return wrapped(*args, **kwargs)
@@ -160,11 +176,10 @@ class Arming:
             return None  # upstream's behaviour where no real values exist
         if self._tracing():
             return None
-        if not self._applied.ready():
+        if not self._ready():
             return None  # probe D1: this torch writes real gradients itself
-        unseen = self._applied.values.unseen
         for mode in modes:
-            unseen.check_mode(mode)
+            self._trust.check_mode(mode)
         span = _profiling.begin(_profiling.ARM)  # None unless a profiler records
         try:
             pairs, keep = self.collect(roots)
@@ -297,31 +312,6 @@ class Arming:
         return count
 
     # -- real non-leaves with retain_grad() ----------------------------------------------------
-
-    def arm_retained(self, t: torch.Tensor) -> None:
-        """A real non-leaf with ``retain_grad()`` feeding the mode: its retain hook stores
-        ``grad.clone()`` (or ``prior + grad``) computed on a fake gradient. A tensor hook (runs
-        before it) remembers the prior real ``.grad``; a pre-hook on the same node (runs after it)
-        replaces the fake ``.grad`` by its real values, or applies ``on_missing``. They live as
-        long as the tensor's node."""
-        if t in self._retained:
-            return
-        self._retained.set(t, True)
-        t_ref = weakref.ref(t)
-        box: dict[str, Any] = {}
-        fix = self._applied.hooks.fix_retained
-
-        def remember_prior(_grad: Any) -> None:
-            tensor = t_ref()
-            box["prior"] = None if tensor is None else tensor.grad
-
-        def fix_retained(_grads: tuple[Any, ...]) -> None:
-            tensor = t_ref()
-            if tensor is not None:
-                fix(tensor, box.pop("prior", None))
-
-        t.register_hook(remember_prior)
-        t.grad_fn.register_prehook(fix_retained)  # type: ignore[union-attr]
 
 
 def _as_tuple(x: Any) -> tuple[Any, ...] | None:

@@ -37,6 +37,7 @@ from ..._errors import FakeGradError, FakeGradPatchWarning
 from ..convert import leaves as _leaves
 from ..state import warn_once
 from ..touchpoints.targets import Resolved
+from ..typing import InternalErrors
 from ..weak import WeakIdTable
 from . import profiling as _profiling
 
@@ -312,7 +313,7 @@ class Materializer:
             prior = None
             leaf.grad = None
             if prior_real is not None:
-                leaf.grad = self._fresh_copy(prior_real, leaf, grad_dtype)
+                leaf.grad = _fresh_copy(prior_real, leaf, grad_dtype)
                 prior = leaf.grad
         sparse = value.layout != torch.strided
         if prior is None:
@@ -324,7 +325,7 @@ class Materializer:
             if fresh:  # a buffer made for this leaf (zeros, meta): nobody else holds it
                 leaf.grad = value
                 return _ZERO_COPY.get(source) or Outcome("set", source, zero_copy=True)
-            leaf.grad = self._fresh_copy(value, leaf, grad_dtype)
+            leaf.grad = _fresh_copy(value, leaf, grad_dtype)
             return Outcome("set", source, bytes_copied=_nbytes(value))
         copied = 0
         if value.device != prior.device or value.dtype != prior.dtype:
@@ -372,14 +373,6 @@ class Materializer:
             and sys.getrefcount(value) <= baseline.real_refs
         )
 
-    @staticmethod
-    def _fresh_copy(value: torch.Tensor, leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if value.layout != torch.strided or leaf.layout != torch.strided:
-            return value.to(device=leaf.device, dtype=dtype, copy=True)
-        out = empty_like_contract(leaf, dtype)
-        out.copy_(value)
-        return out
-
     # -- reporting ----------------------------------------------------------------------------
 
     def _emit(self, leaf: torch.Tensor, outcome: Outcome, start: float) -> None:
@@ -407,13 +400,26 @@ class Materializer:
         return task if task >= 0 else None
 
 
+def _fresh_copy(value: torch.Tensor, leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new gradient for ``leaf`` with ``value``'s values, laid out as AccumulateGrad would."""
+    if value.layout != torch.strided or leaf.layout != torch.strided:
+        return value.to(device=leaf.device, dtype=dtype, copy=True)
+    out = empty_like_contract(leaf, dtype)
+    out.copy_(value)
+    return out
+
+
 class Hooks:
     """The AccumulateGrad pre-hook and the retained-non-leaf fix of one installation."""
 
-    def __init__(self, resolved: Resolved, materializer: Materializer, applied: Any) -> None:
+    def __init__(
+        self, resolved: Resolved, materializer: Materializer, errors: InternalErrors
+    ) -> None:
         self._resolved = resolved
         self._materializer = materializer
-        self._applied = applied
+        self._errors = errors
+        #: real non-leaves with retain_grad() whose hooks are in place
+        self._retained: WeakIdTable[bool] = WeakIdTable()
         #: set at first need (probe P1): run post-accumulate hooks ourselves
         self.post_hooks_skipped = False
         #: leaf -> its pre-hook, made at the leaf's first arming and reused by every later one
@@ -438,7 +444,7 @@ class Hooks:
         is_fake = self._resolved.is_fake
         tracing = self._resolved.torch_is_tracing
         fake_mode = self._resolved.current_fake_mode
-        materializer, applied = self._materializer, self._applied
+        materializer, errors = self._materializer, self._errors
         leaf_ref = weakref.ref(leaf)
         lock = _leaves.leaf_lock(leaf)
 
@@ -467,7 +473,7 @@ class Hooks:
                     raise  # on_missing="error", or the user's warnings filter (-W error)
                 except Exception as exc:
                     # Keep what the leaf had (never a FakeTensor), say so, keep backward running.
-                    applied.internal_error("materialize", exc)
+                    errors.internal_error("materialize", exc)
                     return (None,)
                 if result is not None and self.post_hooks_skipped:
                     hooks = self._resolved.post_accumulate_hooks(leaf)
@@ -481,6 +487,31 @@ class Hooks:
 
         return fakegrad_prehook
 
+    def arm_retained(self, t: torch.Tensor) -> None:
+        """A real non-leaf with ``retain_grad()`` feeding the mode: its retain hook stores
+        ``grad.clone()`` (or ``prior + grad``) computed on a fake gradient. A tensor hook (runs
+        before it) remembers the prior real ``.grad``; a pre-hook on the same node (runs after it)
+        replaces the fake ``.grad`` by its real values, or applies ``on_missing``. They live as
+        long as the tensor's node."""
+        if t in self._retained:
+            return
+        self._retained.set(t, True)
+        t_ref = weakref.ref(t)
+        box: dict[str, Any] = {}
+        fix = self.fix_retained
+
+        def remember_prior(_grad: Any) -> None:
+            tensor = t_ref()
+            box["prior"] = None if tensor is None else tensor.grad
+
+        def fix_retained(_grads: tuple[Any, ...]) -> None:
+            tensor = t_ref()
+            if tensor is not None:
+                fix(tensor, box.pop("prior", None))
+
+        t.register_hook(remember_prior)
+        t.grad_fn.register_prehook(fix_retained)  # type: ignore[union-attr]
+
     def fix_retained(self, tensor: torch.Tensor, prior: Any) -> None:
         """After a real non-leaf's retain hook stored a fake ``.grad``: its real values, or the
         ``on_missing`` policy (``prior``: the real ``.grad`` it had before)."""
@@ -490,7 +521,7 @@ class Hooks:
         except FakeGradError:
             raise
         except Exception as exc:
-            self._applied.internal_error("retain_grad", exc)
+            self._errors.internal_error("retain_grad", exc)
 
     def _fix_retained(self, tensor: torch.Tensor, prior: Any) -> None:
         grad = tensor.grad

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ from ..accumulate.hooks import (
     Materializer,
 )
 from ..touchpoints import targets as _targets
+from ..touchpoints.probes import Probes
+from ..typing import InternalErrors
 from . import leaves as _leaves
 
 _lock = threading.RLock()
@@ -104,12 +106,21 @@ class _Active:
 class FakeLeaves:
     """Per-installation driver, called by the converter wrapper for every conversion."""
 
-    def __init__(self, applied: Any) -> None:
+    def __init__(
+        self,
+        resolved: _targets.Resolved,
+        probes: Probes,
+        *,
+        installed: Callable[[], bool],
+        errors: InternalErrors,
+    ) -> None:
         from ..touchpoints import probes as _probes
 
-        self._applied = applied
-        self._resolved: _targets.Resolved = applied.resolved
-        self._probes = applied.probes
+        self._resolved = resolved
+        self._probes = probes
+        #: whether the installation is in force (a mirror's hook that outlived it does nothing)
+        self._installed = installed
+        self._errors = errors
         self._grad_copy = _probes.GRAD_COPY
         self._grad_copy_broken: bool | None = None  # probed on the first conversion that matters
         self._checked: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -117,9 +128,9 @@ class FakeLeaves:
         # propagated buffer; adopting it as the source's ``.grad`` would make the two alias, and
         # the next fake accumulation (an in-place add that propagation also runs on
         # ``real_tensor``) would add into the real ``.grad`` a second time.
-        self.materializer = Materializer(applied.resolved, adopt=False)
-        self._is_fake = applied.resolved.is_fake
-        self._real_of = applied.resolved.real_of
+        self.materializer = Materializer(resolved, adopt=False)
+        self._is_fake = resolved.is_fake
+        self._real_of = resolved.real_of
 
     @staticmethod
     def mirroring() -> bool:
@@ -166,7 +177,7 @@ class FakeLeaves:
         self, source_ref: weakref.ref[torch.Tensor], mirror_ref: weakref.ref[_Mirror], fake_id: int
     ) -> Any:
         is_fake, real_of = self._is_fake, self._real_of
-        applied = self._applied
+        installed, errors = self._installed, self._errors
 
         def fakegrad_mirror_prehook(grad_outputs: tuple[Any, ...]) -> None:
             grad = grad_outputs[0]
@@ -174,7 +185,7 @@ class FakeLeaves:
             if mirror is None or not mirror.active or not is_fake(grad):
                 return None
             source = source_ref()
-            if source is None or not applied.active:
+            if source is None or not installed():
                 return None
             if trace.enabled(trace.INFO):
                 propagated = real_of(grad) is not None
@@ -185,7 +196,7 @@ class FakeLeaves:
             except (FakeGradError, FakeGradPatchWarning):
                 raise  # on_missing="error", or the user's warnings filter (-W error)
             except Exception as exc:  # never break the host's backward
-                applied.internal_error("mirror", exc)
+                errors.internal_error("mirror", exc)
             return None  # the fake leaf accumulates its fake grad as upstream does
 
         return fakegrad_mirror_prehook

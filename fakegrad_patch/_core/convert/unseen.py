@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ... import trace
-from ..touchpoints.probes import D2
+from ..touchpoints.probes import D2, Probes
+from ..touchpoints.targets import Resolved
 from ..weak import WeakIdTable
 from . import leaves as _leaves
 from . import records as _records
@@ -58,7 +59,7 @@ def tainted(mode: Any) -> bool:
 class Unseen:
     """One installation's check of conversions it did not see."""
 
-    def __init__(self, resolved: Any, probes: Any) -> None:
+    def __init__(self, resolved: Resolved, probes: Probes) -> None:
         self._resolved = resolved
         self._probes = probes
         self._is_fake = resolved.is_fake

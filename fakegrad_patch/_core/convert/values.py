@@ -42,7 +42,10 @@ import torch
 
 from ... import _config, trace
 from .. import state as _state
-from ..touchpoints.probes import D2, FOREIGN_FAKE, bypassed
+from ..touchpoints import sites as _sites
+from ..touchpoints.probes import D2, FOREIGN_FAKE, Probes, bypassed
+from ..touchpoints.targets import Resolved
+from ..typing import FakeLeafMirror, InternalErrors, RetainedArmer
 from . import leaves as _leaves
 from . import records as _records
 from .unseen import Unseen
@@ -71,10 +74,21 @@ def _values_are_the_constant(fake: Any) -> None:
 class Values:
     """One installation's converter wrapper."""
 
-    def __init__(self, resolved: Any, probes: Any, applied: Any) -> None:
+    def __init__(
+        self,
+        resolved: Resolved,
+        probes: Probes,
+        *,
+        dispatch: Any,
+        fake_leaves: FakeLeafMirror,
+        armer: RetainedArmer,
+        errors: InternalErrors,
+    ) -> None:
         self._resolved = resolved
         self._probes = probes
-        self._applied = applied
+        self._fake_leaves = fake_leaves
+        self._armer = armer
+        self._errors = errors
         self._is_fake = resolved.is_fake
         self._real_of = resolved.real_of
         self.active = True
@@ -84,7 +98,7 @@ class Values:
         #: conversions the patch did not see (D2 builds): which modes cannot be trusted
         self.unseen = self._unseen = Unseen(resolved, probes)
         #: the dispatch path: its switch, write-back's aliasing and the watch of op inputs
-        self._dispatch = applied.dispatch
+        self._dispatch = dispatch
 
     # -- the wrapper ---------------------------------------------------------------------------
 
@@ -97,7 +111,7 @@ class Values:
         if (
             not getattr(mode, "propagate_real_tensors", False)
             and not self.plain_policy
-            and not self._applied.fake_leaves.mirroring()
+            and not self._fake_leaves.mirroring()
         ):
             return wrapped(*args, **kwargs)
         fake = wrapped(*args, **kwargs)
@@ -107,7 +121,7 @@ class Values:
             if getattr(mode, "propagate_real_tensors", False):
                 if kwargs.get("make_constant"):
                     _values_are_the_constant(fake)
-                self._applied.backward_site.need_mode(mode)
+                _sites.need_mode(mode)
                 t = args[1] if len(args) > 1 else kwargs["t"]
                 if kwargs and (
                     kwargs.get("source") is not None or getattr(mode, "shape_env", None) is not None
@@ -119,7 +133,7 @@ class Values:
             else:
                 self._not_propagating(instance, mode, args, kwargs, fake)
         except Exception as exc:  # never break the host's fake computation
-            self._applied.internal_error("convert", exc)
+            self._errors.internal_error("convert", exc)
         return fake
 
     def _not_propagating(
@@ -128,7 +142,7 @@ class Values:
         """No real values: upstream's behaviour unless the user asked for a policy (then the
         op-input leaves are noted for uninstall and retained non-leaves get their hooks), or a
         ``mirror_to_sources`` switch is open."""
-        fake_leaves = self._applied.fake_leaves
+        fake_leaves = self._fake_leaves
         if fake_leaves.mirroring():
             fake_leaves.on_convert(mode, args[1] if len(args) > 1 else kwargs["t"], fake)
         if not _config.current().on_missing_explicit or len(args) != 2 or kwargs:
@@ -137,7 +151,7 @@ class Values:
         if t.requires_grad:
             self._note(conv, t)
             if t.grad_fn is not None and t.retains_grad:
-                self._applied.arming.arm_retained(t)
+                self._armer.arm_retained(t)
 
     def _tracer_owned(self, conv: Any, mode: Any, t: Any, fake: Any) -> None:
         """A ``from_tensor`` that names a ``source``, or into a mode with a ShapeEnv, is a
@@ -149,7 +163,7 @@ class Values:
         if real is not None and not self._is_fake(t):
             self._record_seen(conv, t, fake, real)
         self._unseen.note_made(conv)
-        fake_leaves = self._applied.fake_leaves
+        fake_leaves = self._fake_leaves
         if fake_leaves.mirroring():
             fake_leaves.on_convert(mode, t, fake)
 
@@ -166,7 +180,7 @@ class Values:
         elif t.requires_grad:
             self._sync(conv, fake, t)
             if op_input and t.grad_fn is not None and t.retains_grad:
-                self._applied.arming.arm_retained(t)
+                self._armer.arm_retained(t)
         elif _leaves.has_managed_grads() and _leaves.managed_grad(t):
             self._alias_grad(fake, t)
         elif dispatch.aliases.enabled and dispatch.aliases.convert(mode, t, fake, op_input):
@@ -177,7 +191,7 @@ class Values:
             # an op that writes t: does the update reach it (alias), or only the copy (report)?
             dispatch.watch.op_input(mode, t, fake)
         # grad-copy fidelity (probe D4) and mirror_to_sources
-        self._applied.fake_leaves.on_convert(mode, t, fake)
+        self._fake_leaves.on_convert(mode, t, fake)
 
     # -- records ---------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ import torch
 
 from ... import trace
 from .. import state as _state
+from ..touchpoints.targets import Resolved
 from ..typing import DispatchSwitch
 from ..weak import WeakIdTable
 from .frames import Frame, Frames
@@ -36,7 +37,7 @@ from .tensors import PLAIN_TYPES, private_copy, storage_ptr
 class Aliases:
     """One installation's write-back aliasing."""
 
-    def __init__(self, resolved: Any, frames: Frames, switch: DispatchSwitch) -> None:
+    def __init__(self, resolved: Resolved, frames: Frames, switch: DispatchSwitch) -> None:
         self._resolved = resolved
         self._frames = frames
         self._switch = switch

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..touchpoints import targets as _targets
+from ..touchpoints.targets import Resolved
 from ..typing import InternalErrors
 from .fast import FastPath
 from .stats import Settings, Stats
@@ -24,7 +25,7 @@ class Fallback:
 
     def __init__(
         self,
-        resolved: Any,
+        resolved: Resolved,
         settings: Settings,
         stats: Stats,
         fast: FastPath,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..touchpoints import targets as _targets
+from ..touchpoints.targets import Resolved
 from .ops import OpFacts
 from .stats import Stats
 from .tensors import (
@@ -46,7 +47,7 @@ NOT_FAST: Any = object()
 
 
 class FastPath:
-    def __init__(self, resolved: Any, stats: Stats) -> None:
+    def __init__(self, resolved: Resolved, stats: Stats) -> None:
         self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._stats = stats

@@ -22,6 +22,7 @@ import torch
 
 from ..touchpoints import sites as _sites
 from ..touchpoints import targets as _targets
+from ..touchpoints.targets import Resolved
 from ..typing import InternalErrors, RetainedArmer
 from .stats import Settings
 
@@ -92,7 +93,7 @@ class RetainGrad:
         return result
 
 
-def tolist_method(resolved: Any, settings: Settings, observing: Any, original: Any) -> Any:
+def tolist_method(resolved: Resolved, settings: Settings, observing: Any, original: Any) -> Any:
     """``FakeTensor.tolist`` in a propagating user mode: the propagated values' list."""
     fallback = torch.Tensor.tolist if original is _sites.ABSENT else original
     real_of = resolved.real_of
@@ -117,7 +118,11 @@ def tolist_method(resolved: Any, settings: Settings, observing: Any, original: A
 
 
 def method_sites(
-    resolved: Any, settings: Settings, observing: Any, armer: RetainedArmer, errors: InternalErrors
+    resolved: Resolved,
+    settings: Settings,
+    observing: Any,
+    armer: RetainedArmer,
+    errors: InternalErrors,
 ) -> list[_sites.Site]:
     """The Sites of ``Tensor.data``, ``Tensor.retain_grad`` and ``FakeTensor.tolist``."""
     import wrapt

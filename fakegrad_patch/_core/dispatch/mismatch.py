@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ... import trace
+from ..typing import InternalErrors
 
 #: The ops whose CPU fake kernels return their statistics in the input dtype.
 NORM_OPS = (
@@ -82,8 +84,10 @@ def describe(exc: BaseException, cause: BaseException | None = None) -> dict[str
 class Mismatch:
     """The wrapper around ``MetadataMismatchError.__init__``."""
 
-    def __init__(self, applied: Any) -> None:
-        self._applied = applied
+    def __init__(self, errors: InternalErrors, repairing: Callable[[], bool]) -> None:
+        self._errors = errors
+        #: whether the dispatch path rebuilds a refused op's outputs from the real kernel's
+        self._repairing = repairing
         self.active = True
 
     def init(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -92,7 +96,7 @@ class Mismatch:
             try:
                 self._seen(instance)
             except Exception as exc:  # never make the host's error worse
-                self._applied.internal_error("mismatch", exc)
+                self._errors.internal_error("mismatch", exc)
         return result
 
     def _seen(self, exc: BaseException) -> None:
@@ -100,8 +104,7 @@ class Mismatch:
         if not isinstance(reason, str) or not reason.startswith(_PREFIX):
             return
         user = _in_user_mode()
-        dispatch = getattr(self._applied, "dispatch", None)
-        if user and dispatch is not None and dispatch.settings.repair:
+        if user and self._repairing():
             # the dispatch wrapper makes the op's outputs from the real kernel's
             # (``propagation_rebuilt``) and calls :meth:`report` only when it cannot
             return

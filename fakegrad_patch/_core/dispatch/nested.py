@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..touchpoints.targets import Resolved
 from .frames import Frame
 from .stats import Stats
 from .tensors import CannotRebuild, pair, private_copy, storage_ptr, tensors_in, written_tensors
@@ -27,7 +28,7 @@ from .watch import Watch
 
 
 class Nested:
-    def __init__(self, resolved: Any, stats: Stats, watch: Watch, upstream: Upstream) -> None:
+    def __init__(self, resolved: Resolved, stats: Stats, watch: Watch, upstream: Upstream) -> None:
         self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._stats = stats

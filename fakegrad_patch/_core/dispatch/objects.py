@@ -24,6 +24,7 @@ import torch
 from ... import trace
 from ..convert import leaves as _leaves
 from ..touchpoints import sites as _sites
+from ..touchpoints.targets import Resolved
 from ..typing import InternalErrors
 from .standins import report_fake_state, report_lost
 from .tensors import private_copy
@@ -32,7 +33,7 @@ from .tensors import private_copy
 class BornInside:
     """One installation's handling of state objects created inside the mode."""
 
-    def __init__(self, resolved: Any, errors: InternalErrors) -> None:
+    def __init__(self, resolved: Resolved, errors: InternalErrors) -> None:
         self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._errors = errors

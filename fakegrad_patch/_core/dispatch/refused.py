@@ -12,6 +12,7 @@ import torch
 
 from ..touchpoints import sites as _sites
 from ..touchpoints import targets as _targets
+from ..touchpoints.targets import Resolved
 from .fast import NOT_FAST, FastPath
 from .stats import Stats
 from .tensors import CannotRebuild, convert_op_input, convertible, tensors_in
@@ -28,7 +29,7 @@ class Converted:
 
 
 class Refused:
-    def __init__(self, resolved: Any, stats: Stats, fast: FastPath) -> None:
+    def __init__(self, resolved: Resolved, stats: Stats, fast: FastPath) -> None:
         self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._stats = stats

@@ -15,6 +15,7 @@ from typing import Any
 from ... import trace
 from ..convert import leaves as _leaves
 from ..state import warn_once
+from .frames import Frame
 from .tensors import storage_ptr
 
 
@@ -160,3 +161,60 @@ class StandIn:
             if holder is not None and storage_ptr(getattr(holder, "real_tensor", None)) == ptr:
                 return root
         return None
+
+
+class StandIns:
+    """One installation's stand-ins, by the data pointer of their storage: a write to any fake
+    over such a storage (the converted tensor, a view of it, a nested op's argument) is an
+    update that reaches only the copy."""
+
+    def __init__(self, is_fake: Any) -> None:
+        self._is_fake = is_fake
+        self._by_ptr: dict[int, StandIn] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._by_ptr)
+
+    def remember(self, t: Any, fake: Any) -> None:
+        """``fake`` (converted from the real op input ``t``) holds a private copy: remember its
+        storage, so writes to it (or to views of it) are known as lost updates of ``t``."""
+        fake_root = fake._base if fake._base is not None else fake
+        copy_root = getattr(fake_root, "real_tensor", None)
+        ptr = storage_ptr(copy_root) if copy_root is not None else None
+        if ptr is None:
+            return
+        entry = self._by_ptr.get(ptr)
+        root = t._base if t._base is not None else t
+        if entry is None or entry.real(ptr) is not root:
+            entry = self._by_ptr[ptr] = StandIn(root, ptr, self._by_ptr)
+        entry.hold(fake_root)
+
+    def hold_views(self, result: Any) -> None:
+        """A view op (or ``set_``) returned fakes over a stand-in's storage (``w.detach()``,
+        ``g[0]``): they keep the record alive (the converted fake itself may die first)."""
+        for out in result if isinstance(result, list | tuple) else (result,):
+            if self._is_fake(out):
+                ptr = storage_ptr(getattr(out, "real_tensor", None))
+                if ptr is None:
+                    continue
+                entry = self._by_ptr.get(ptr)
+                if entry is not None and entry.real(ptr) is not None:
+                    entry.hold(out)
+
+    def written(self, frame: Frame, ptr: int, via: str, write_back: bool) -> None:
+        """A fake over storage ``ptr`` is written: when that is a real tensor's private copy,
+        the update is lost (reported when the outer op returns)."""
+        entry = self._by_ptr.get(ptr)
+        real_root = entry.real(ptr) if entry is not None else None
+        if real_root is None:
+            return
+        if write_back and not via and frame.depth == 0:
+            # the outer op writes a view of the copy (``nn.Embedding(max_norm=...)``'s
+            # ``weight.detach()``): its real run updates the copy once; copied back on return
+            if ptr not in frame.copy_back and id(real_root) not in frame.lost:
+                frame.copy_back[ptr] = (real_root, entry)
+            return
+        if ptr in frame.copy_back:
+            del frame.copy_back[ptr]  # a nested op writes it too: not provably once
+        if id(real_root) not in frame.lost:
+            frame.lost[id(real_root)] = (real_root, via)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..touchpoints import targets as _targets
+from ..touchpoints.targets import Resolved
 from ..typing import MismatchReporter
 from .fast import FastPath
 from .ops import OpFacts
@@ -50,7 +51,7 @@ from .tensors import (
 class Upstream:
     def __init__(
         self,
-        resolved: Any,
+        resolved: Resolved,
         settings: Settings,
         stats: Stats,
         fast: FastPath,

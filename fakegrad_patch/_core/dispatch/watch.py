@@ -26,11 +26,12 @@ import torch
 from ... import trace
 from .. import state as _state
 from ..convert import leaves as _leaves
+from ..touchpoints.targets import Resolved
 from ..typing import CopyRefresher
 from .aliases import Aliases
 from .frames import Frame, Frames
 from .ops import facts
-from .standins import StandIn, report_lost
+from .standins import StandIns, report_lost
 from .tensors import PLAIN_TYPES, argument_tensors, storage_ptr, written_tensors
 
 
@@ -38,17 +39,15 @@ class Watch:
     """One installation's write-back watch."""
 
     def __init__(
-        self, resolved: Any, frames: Frames, aliases: Aliases, copies: CopyRefresher
+        self, resolved: Resolved, frames: Frames, aliases: Aliases, copies: CopyRefresher
     ) -> None:
         self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._frames = frames
         self._aliases = aliases
         self._copies = copies
-        #: storage data pointer of a propagated private copy -> its stand-in record: a write to
-        #: any fake over that storage (the converted tensor, a view of it, a nested op's
-        #: argument) is an update that reaches only the copy
-        self._stand_ins: dict[int, StandIn] = {}
+        #: the private copies that stand in for real tensors (a write to one is a lost update)
+        self._stand_ins = StandIns(resolved.is_fake)
 
     # -- around the outermost op ----------------------------------------------------------------
 
@@ -86,7 +85,7 @@ class Watch:
                 if enabled:
                     frame.written.add(ptr)
                 if self._stand_ins:
-                    self._fake_written(frame, ptr, "")
+                    self._stand_ins.written(frame, ptr, "", self._aliases.enabled)
             elif t.layout == torch.strided and t.device.type != "meta":
                 frame.direct[id(t)] = t
                 ptr = storage_ptr(t)
@@ -122,7 +121,7 @@ class Watch:
             if self._is_fake(t):
                 ptr = storage_ptr(t.real_tensor)
                 if ptr is not None:
-                    self._fake_written(frame, ptr, str(func))
+                    self._stand_ins.written(frame, ptr, str(func), self._aliases.enabled)
 
     def returned(self, frame: Frame, func: Any, result: Any, ok: bool) -> None:
         """The outermost op returned (``ok``) or raised: parameters aliased for it get their
@@ -130,7 +129,7 @@ class Watch:
         lost updates reported, real tensors it wrote for real refresh their copies; a view of a
         stand-in keeps its record."""
         if ok and self._stand_ins and facts(func).is_view:
-            self._views_of_stand_ins(result)
+            self._stand_ins.hold_views(result)
         if frame.written or frame.param_swaps:
             self._finish(frame)
         if ok and frame.copy_back:
@@ -157,7 +156,7 @@ class Watch:
             return
         if storage_ptr(real) == storage_ptr(t):
             return  # aliased (write-back, a managed .grad): updates reach t
-        self._stand_in(t, fake)
+        self._stand_ins.remember(t, fake)
         frame = self._frames.top()
         if frame is None or frame.mode is not mode:
             self._unobserved_op_input(t)
@@ -217,52 +216,6 @@ class Watch:
         frame.aliased[ptr] = t
         frame.written.add(ptr)
         return True
-
-    # -- stand-ins: private copies and the fakes over them ------------------------------------
-
-    def _stand_in(self, t: Any, fake: Any) -> None:
-        """``fake`` (converted from the real op input ``t``) holds a private copy: remember its
-        storage, so writes to it (or to views of it) are known as lost updates of ``t``."""
-        fake_root = fake._base if fake._base is not None else fake
-        copy_root = getattr(fake_root, "real_tensor", None)
-        ptr = storage_ptr(copy_root) if copy_root is not None else None
-        if ptr is None:
-            return
-        entry = self._stand_ins.get(ptr)
-        root = t._base if t._base is not None else t
-        if entry is None or entry.real(ptr) is not root:
-            entry = self._stand_ins[ptr] = StandIn(root, ptr, self._stand_ins)
-        entry.hold(fake_root)
-
-    def _views_of_stand_ins(self, result: Any) -> None:
-        """A view op (or ``set_``) returned fakes over a stand-in's storage (``w.detach()``,
-        ``g[0]``): they keep the record alive (the converted fake itself may die first)."""
-        for out in result if isinstance(result, list | tuple) else (result,):
-            if self._is_fake(out):
-                ptr = storage_ptr(getattr(out, "real_tensor", None))
-                if ptr is None:
-                    continue
-                entry = self._stand_ins.get(ptr)
-                if entry is not None and entry.real(ptr) is not None:
-                    entry.hold(out)
-
-    def _fake_written(self, frame: Frame, ptr: int, via: str) -> None:
-        """A fake over storage ``ptr`` is written: when that is a real tensor's private copy,
-        the update is lost (reported when the outer op returns)."""
-        entry = self._stand_ins.get(ptr)
-        real_root = entry.real(ptr) if entry is not None else None
-        if real_root is None:
-            return
-        if self._aliases.enabled and not via and frame.depth == 0:
-            # the outer op writes a view of the copy (``nn.Embedding(max_norm=...)``'s
-            # ``weight.detach()``): its real run updates the copy once; copied back on return
-            if ptr not in frame.copy_back and id(real_root) not in frame.lost:
-                frame.copy_back[ptr] = (real_root, entry)
-            return
-        if ptr in frame.copy_back:
-            del frame.copy_back[ptr]  # a nested op writes it too: not provably once
-        if id(real_root) not in frame.lost:
-            frame.lost[id(real_root)] = (real_root, via)
 
     # -- when the outermost op returns ----------------------------------------------------------
 

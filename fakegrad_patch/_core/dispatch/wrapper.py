@@ -23,6 +23,7 @@ from typing import Any
 
 from ..touchpoints import sites as _sites
 from ..touchpoints import targets as _targets
+from ..touchpoints.targets import Resolved
 from ..typing import CopyRefresher, InternalErrors, MismatchReporter, RetainedArmer
 from .aliases import Aliases
 from .fallback import Fallback
@@ -44,7 +45,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        resolved: Any,
+        resolved: Resolved,
         errors: InternalErrors,
         mismatch: MismatchReporter,
         copies: CopyRefresher,

@@ -47,8 +47,10 @@ class Applied:
 
         self.resolved = _targets.resolve_all()
         self.probes = _probes.Probes(self.resolved)
-        self.mismatch = _mismatch.Mismatch(self)
-        self.arming: Any = None  # below: it needs the hooks
+        self.active = True
+        # Each part gets the narrow collaborators it uses (_core/typing.py); where that is this
+        # installation (errors, the retained-non-leaf arming), it is typed as that capability.
+        self.mismatch = _mismatch.Mismatch(errors=self, repairing=self._repairing)
         self.dispatch = Dispatcher(
             self.resolved,
             errors=self,
@@ -56,7 +58,17 @@ class Applied:
             copies=_records.Copies(self.resolved.no_dispatch),
             armer=self,
         )
-        self.values = _values.Values(self.resolved, self.probes, self)
+        self.fake_leaves = _fakeleaves.FakeLeaves(
+            self.resolved, self.probes, installed=self._installed, errors=self
+        )
+        self.values = _values.Values(
+            self.resolved,
+            self.probes,
+            dispatch=self.dispatch,
+            fake_leaves=self.fake_leaves,
+            armer=self,
+            errors=self,
+        )
         self.materializer = _accumulate.Materializer(
             self.resolved,
             note_grads=True,
@@ -64,12 +76,30 @@ class Applied:
             # uninstall() (hooks that outlive it) is caught here too, not only at arming
             untrusted=self._untrusted,
         )
-        self.hooks = _accumulate.Hooks(self.resolved, self.materializer, self)
-        self.arming = arming_module.Arming(self.resolved, self.hooks.prehooks_for, self)
+        self.hooks = _accumulate.Hooks(self.resolved, self.materializer, errors=self)
+        from ..accumulate import ddp as _ddp
+
+        self.ddp = _ddp
+        self.arming = arming_module.Arming(
+            self.resolved,
+            self.hooks.prehooks_for,
+            retained=self.hooks,
+            trust=self.values.unseen,
+            ready=self.ready,
+            scopes=_ddp,
+            errors=self,
+        )
         self._bypassed = _probes.bypassed
-        self.active = True
-        self.first_need = FirstNeed(self)
-        self.fake_leaves = _fakeleaves.FakeLeaves(self)
+        self.first_need = FirstNeed(
+            self.resolved,
+            self.probes,
+            arming=self.arming,
+            hooks=self.hooks,
+            materializer=self.materializer,
+            trust=self.values.unseen,
+            installed=self._installed,
+            errors=self,
+        )
 
         # torch.autograd.backward is wrapped only while needed: while a propagating
         # mode lives (registered when built, FakeTensorMode.__init__ wrapped, or when it
@@ -102,9 +132,6 @@ class Applied:
         self._wrapper: Any = cls.__dict__[_ATTR]
         self._original: Any = self._wrapper.__wrapped__
 
-        from ..accumulate import ddp as _ddp
-
-        self.ddp = _ddp
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
         self._mismatch_wrapper: Any = None
         error_cls = _targets.resolve_optional(_targets.METADATA_MISMATCH_ERROR)
@@ -123,6 +150,14 @@ class Applied:
     def ready(self) -> bool:
         """Whether leaves are armed on this build (probe D1 at first need)."""
         return self.first_need.ready()
+
+    def _installed(self) -> bool:
+        return self.active
+
+    def _repairing(self) -> bool:
+        """Whether the dispatch path rebuilds refused ops from the real kernel's outputs."""
+        dispatch = getattr(self, "dispatch", None)  # None while this installation is built
+        return dispatch is not None and bool(dispatch.settings.repair)
 
     def _untrusted(self, grad: Any) -> bool:
         return self.first_need.untrusted(grad)
@@ -177,8 +212,8 @@ class Applied:
 
     def arm_retained(self, t: Any) -> None:
         """A real non-leaf retained after it entered a propagating mode (the dispatch path's
-        ``retain_grad`` site): its hooks, from the arming."""
-        self.arming.arm_retained(t)
+        ``retain_grad`` site): its hooks."""
+        self.hooks.arm_retained(t)
 
     def internal_error(self, where: str, exc: BaseException) -> None:
         if trace.enabled(trace.ERROR):

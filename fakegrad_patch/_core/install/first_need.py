@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ... import trace
+from ..accumulate.arming import Arming
+from ..accumulate.hooks import Hooks, Materializer
+from ..touchpoints.probes import Probes
+from ..touchpoints.targets import Resolved
+from ..typing import InternalErrors, ModeTrust
 
 
 class _Prepared:
@@ -21,8 +27,26 @@ class _Prepared:
 class FirstNeed:
     """One installation's first-need preparation and the trust check of fake gradients."""
 
-    def __init__(self, applied: Any) -> None:
-        self._applied = applied
+    def __init__(
+        self,
+        resolved: Resolved,
+        probes: Probes,
+        *,
+        arming: Arming,
+        hooks: Hooks,
+        materializer: Materializer,
+        trust: ModeTrust,
+        installed: Callable[[], bool],
+        errors: InternalErrors,
+    ) -> None:
+        self._resolved = resolved
+        self._probes = probes
+        self._arming = arming
+        self._hooks = hooks
+        self._materializer = materializer
+        self._trust = trust
+        self._installed = installed
+        self._errors = errors
         self._lock = threading.Lock()
         #: None until first need; then whether upstream has D1 (True: leaves are armed)
         self.arms_leaves: bool | None = None
@@ -34,9 +58,8 @@ class FirstNeed:
         already checked its mode (a dict read here); after ``uninstall()`` (hooks that outlive
         it), a Parameter its mode converted while uninstalled taints it."""
         mode = getattr(grad, "fake_mode", None)
-        applied = self._applied
-        if not applied.active:
-            return applied.values.unseen.check_mode(mode, definite_only=True)
+        if not self._installed():
+            return self._trust.check_mode(mode, definite_only=True)
         # Per gradient, the mode is nearly always the one the last gradient had: its answer
         # holds until the next generation (uninstall) or a new taint (the hook's cost).
         from ..convert import unseen
@@ -49,7 +72,7 @@ class FirstNeed:
             and trusted[2] == unseen.taint_count()
         ):
             return False
-        if applied.values.unseen.check_mode(mode):
+        if self._trust.check_mode(mode):
             return True
         if mode is not None:
             self._trusted = (weakref.ref(mode), unseen.generation(), unseen.taint_count())
@@ -65,8 +88,8 @@ class FirstNeed:
                     prepared = _Prepared.value
                     if prepared is None:
                         prepared = _Prepared.value = self._prepare()
-                    self._applied.hooks.post_hooks_skipped = prepared[1]
-                    self._applied.materializer.baseline = prepared[2]
+                    self._hooks.post_hooks_skipped = prepared[1]
+                    self._materializer.baseline = prepared[2]
                     self.arms_leaves = prepared[0]
                 arms = self.arms_leaves
         return arms
@@ -74,16 +97,16 @@ class FirstNeed:
     def _prepare(self) -> tuple[bool, bool, Any]:
         from ..touchpoints.probes import D1, POST_HOOKS
 
-        if not self._applied.probes.has(D1):
+        if not self._probes.has(D1):
             if trace.enabled(trace.INFO):
                 trace.emit("standing_aside", trace.INFO, defect=D1.key)
             return (False, False, None)
-        post_hooks_skipped = self._applied.probes.has(POST_HOOKS)
+        post_hooks_skipped = self._probes.has(POST_HOOKS)
         baseline = None
         try:
             baseline = self._calibrate()
         except Exception as exc:  # zero-copy stays off: every new .grad is a copy
-            self._applied.internal_error("calibrate", exc)
+            self._errors.internal_error("calibrate", exc)
         if trace.enabled(trace.INFO):
             trace.emit("zero_copy_calibrated", trace.INFO, enabled=baseline is not None)
         return (True, post_hooks_skipped, baseline)
@@ -98,10 +121,9 @@ class FirstNeed:
         from ..accumulate.hooks import AdoptBaseline
         from ..touchpoints.probes import bypass
 
-        applied = self._applied
-        r = applied.resolved
-        arming = applied.arming
-        materializer = applied.materializer
+        r = self._resolved
+        arming = self._arming
+        materializer = self._materializer
         with (
             r.ordinary_dispatch(),
             torch.inference_mode(False),
