@@ -2,9 +2,10 @@
 
 A propagated fake forward+backward of a 100-leaf model (:class:`_support.ManyLeaves`), patch
 installed, with the ranges feature on (the default: one ``torch.autograd._profiler_enabled()``
-check per armed backward and per fake gradient) and off (``_core.profiling.set_enabled(False)``:
-not even the check). Goal: the ratio within noise (<= 1.01). Private API
-(``fakegrad_patch._core.accumulate.profiling``), like the micro cases P5/P7.
+check per armed backward and per fake gradient) and off
+(``_core.accumulate.profiling.set_enabled(False)``: not even the check). Goal: the ratio
+within noise (<= 1.01). Private API (``fakegrad_patch._core.accumulate.profiling``), like the
+micro cases P5/P7.
 """
 
 from __future__ import annotations

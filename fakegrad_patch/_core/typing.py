@@ -66,4 +66,3 @@ class BackwardScopes(Protocol):
     """DDP's scope around a backward started inside a mode in which a DDP forward ran."""
 
     def backward_scope(self) -> Any: ...
-
