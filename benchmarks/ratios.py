@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-CASE_ORDER = [f"P{i}" for i in range(1, 19)]
+CASE_ORDER = [f"P{i}" for i in range(1, 21)]
 
 
 def fmt_time(seconds: float, sign: bool = False) -> str:
@@ -207,10 +207,36 @@ def _note(
         if unit is not None:
             text += f"{unit:+.2f} µs/event from the block medians"
         return f"{text} ({events} events/round)"
+    if case in ("P19", "P20"):
+        return _per_op_note(case, benches, variant, delta)
     if case == "P14":
         size = _first(infos, "param_tensors")
         return f"{size} parameter tensors" if size else ""
     return ""
+
+
+def _per_op_note(case: str, benches: list[dict[str, Any]], variant: str, delta: float) -> str:
+    """P19: the extra cost per aten op over eager, and ``patched / two-pass``; P20: each
+    variant's cost per aten op (the baseline's beside it)."""
+    ops = _first(_infos(benches, variant), "aten_ops")
+    if not ops:
+        return ""
+    medians = {
+        v: statistics.median(
+            [x for b in benches if b["extra_info"]["variant"] == v for x in _data(b)]
+        )
+        for v in {b["extra_info"]["variant"] for b in benches}
+    }
+    if case == "P19":
+        text = f"{ops} aten ops; {delta / ops * 1e6:+.1f} µs per op over eager"
+        if variant == "patched" and medians.get("two-pass"):
+            text += f"; patched / two-pass {medians['patched'] / medians['two-pass']:.3f}"
+        return text
+    baseline = benches[0]["extra_info"]["baseline"]
+    return (
+        f"{ops} aten ops; {medians[variant] / ops * 1e6:.1f} µs per op "
+        f"({baseline} {medians[baseline] / ops * 1e6:.1f})"
+    )
 
 
 def _met(case: str, goal: Any, ratio: float, benches: list[dict[str, Any]], variant: str) -> str:

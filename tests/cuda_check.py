@@ -1,7 +1,7 @@
 """Everything CUDA in one command (issue 38): every CUDA-marked test (the model zoo under
 ``verify`` on CUDA, the recurrent, BatchNorm, attention and write-back families, the NCCL twin of
-the DDP/FSDP2 tests among them), then the CUDA rows of the benchmarks P1-P5, P11, P12 and P15,
-and a results table (docs/cuda.md). Never run by CI, which has no GPU; CI runs its dry mode
+the DDP/FSDP2 tests among them), then the CUDA rows of the benchmarks P1-P5, P11, P12, P15 and
+P18-P20, and a results table (docs/cuda.md). Never run by CI, which has no GPU; CI runs its dry mode
 (``--allow-no-gpu``: the same two runs, every CUDA case skipped) in tests/test_cuda_check.py.
 
 Usage (from anywhere; the tree this file is in is tested)::
@@ -73,6 +73,8 @@ BENCH_CASES = {
     ],
     "P15": ["test_write_back.py::test_p15_write_back"],
     "P18": ["test_propagating_step.py::test_p18_one_propagating_pass"],
+    "P19": ["test_floors.py::test_p19_step_against_eager"],
+    "P20": ["test_floors.py::test_p20_per_op_against_a_pass_through_mode"],
 }
 REQUIRED = ("torch", "wrapt", "structlog", "pytest")
 OUTCOMES = ("passed", "failed", "error", "xfailed", "xpassed", "skipped")

@@ -44,6 +44,16 @@ HIDDEN_WRITES = frozenset(
         "miopen_rnn",
     }
 )
+#: of those, the kernels the fast path runs itself (BatchNorm's forward: new tensors, and, when the
+#: flag argument ``training`` is true, the running statistics updated in place): the argument
+#: names they write, and the flag. The watch is told of the writes as of a schema's (the update
+#: reaches the real buffer under write-back, and is reported otherwise), so the op runs its real
+#: kernel once, where upstream's path runs it and then its decomposition's kernels again.
+FAST_HIDDEN_WRITES: dict[str, tuple[tuple[str, ...], str]] = {
+    "native_batch_norm": (("running_mean", "running_var"), "training"),
+    "cudnn_batch_norm": (("running_mean", "running_var"), "training"),
+    "miopen_batch_norm": (("running_mean", "running_var"), "training"),
+}
 #: aten ops whose outputs upstream's fakes represent with a dispatch key of their own, which a
 #: fake made from the real output's metadata would lose (``_efficientzerotensor``: autograd's
 #: zero gradients; without the ZeroTensor key on the fake, the next op's real kernel reads the
@@ -83,6 +93,19 @@ class OpFacts:
     #: FakeTensorMode runs it on all-real arguments itself (numbers bound to tensors:
     #: ``torch.div(4, 4)``), making a small output a constant
     numbers_as_tensors: bool
+    #: ``(position, name)`` of the arguments its kernel writes though its schema does not say
+    #: so (:data:`FAST_HIDDEN_WRITES`), and the position of the flag that says it does (-1: none)
+    hidden: tuple[tuple[int, str], ...] = ()
+    hidden_when: tuple[int, str] = (-1, "")
+
+    def writes(self, op_args: Any, op_kwargs: Any, fast: bool) -> tuple[tuple[int, str], ...]:
+        """The arguments this call writes: its schema's; where the fast path runs the kernel
+        (``fast``), also its hidden writes when its flag argument is true."""
+        if self.written or not self.hidden or not fast:
+            return self.written
+        index, name = self.hidden_when
+        flag = op_args[index] if index < len(op_args) else op_kwargs.get(name)
+        return self.hidden if flag else NO_WRITES
 
 
 _FACTS: dict[Any, OpFacts] = {}
@@ -114,6 +137,7 @@ def _read(func: Any) -> OpFacts:
     written_names = frozenset() if inplace_view else frozenset(n for _, n in written)
     returns_alias = any(r.alias_info is not None for r in schema.returns)
     allow_numbers = _targets.resolve_optional(_targets.SHOULD_ALLOW_NUMBERS)
+    hidden, hidden_when = _hidden(name, arguments, written)
     return OpFacts(
         kind=_kind(func, schema, arguments, name, inplace_view, written),
         written=written,
@@ -128,7 +152,22 @@ def _read(func: Any) -> OpFacts:
         sets_storage=schema.name == "aten::set_" and len(arguments) > 1,
         bit_view=func in _targets.bit_views(),
         numbers_as_tensors=bool(allow_numbers is not None and allow_numbers(func)),
+        hidden=hidden,
+        hidden_when=hidden_when,
     )
+
+
+def _hidden(name: str, arguments: Any, written: Any) -> tuple[Any, tuple[int, str]]:
+    """:data:`FAST_HIDDEN_WRITES`' entry for the op, as positions; none where the schema is not
+    the one expected (an argument missing or renamed, or annotated written on this build)."""
+    entry = FAST_HIDDEN_WRITES.get(name)
+    if entry is None or written:
+        return NO_WRITES, (-1, "")
+    names, flag = entry
+    position = {a.name: i for i, a in enumerate(arguments)}
+    if flag not in position or any(n not in position for n in names):
+        return NO_WRITES, (-1, "")
+    return tuple((position[n], n) for n in names), (position[flag], flag)
 
 
 def _kind(
@@ -136,7 +175,9 @@ def _kind(
 ) -> Kind:
     if getattr(func, "namespace", None) != "aten" or not schema.returns:
         return Kind.OTHER
-    if name in _LIFT or inplace_view or name in HIDDEN_WRITES or name in UPSTREAM_FAKES:
+    if name in HIDDEN_WRITES and (name not in FAST_HIDDEN_WRITES or written):
+        return Kind.OTHER
+    if name in _LIFT or inplace_view or name in UPSTREAM_FAKES:
         return Kind.OTHER
     if written:
         return Kind.IN_PLACE if _plain_in_place(schema, arguments, written, name) else Kind.OTHER

@@ -194,14 +194,13 @@ class Dispatcher:
         except Exception as exc:  # never break the host's fake computation
             self._errors.internal_error("dispatch", exc)
             return wrapped(*args, **kwargs)
-        written = op_facts.written
+        written = op_facts.writes(op_args, op_kwargs, self.settings.fast)  # BatchNorm's too
         if frame is None:
             return self._outermost(wrapped, args, kwargs, mode, func, op_facts, op_args, op_kwargs)
         frame.depth += 1
         try:
             if written:
-                # the watch first: it reads where the written arguments' values are before the
-                # shadow replaces them
+                # the watch first: it reads the written values' places before the shadow
                 self._guarded(self.watch.nested_write, frame, func, written, op_args, op_kwargs)
                 if self.settings.repair or self.aliases.enabled:  # write-back needs it anyway
                     self._guarded(self._nested.shadow, frame, func, written, op_args, op_kwargs)
@@ -230,8 +229,9 @@ class Dispatcher:
         op_kwargs: Any,
     ) -> Any:
         frame = Frame(mode, (op_args, op_kwargs), func)
-        if op_facts.written:
-            self._guarded(self.watch.enter, frame, op_facts.written)
+        written = op_facts.writes(op_args, op_kwargs, self.settings.fast)
+        if written:
+            self._guarded(self.watch.enter, frame, written)
         stack = self.frames.stack
         stack.append(frame)
         ok = False
