@@ -49,11 +49,10 @@ def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
     sizes, strides = t.shape, t.stride()
     if t.dim() == 1:
         return sizes[0] < 2 or strides[0] == 1
-    perm = sorted(range(t.dim()), key=lambda d: (strides[d], sizes[d]))
+    # c10 sorts the dimensions by stride, those of size 0 or 1 last, and answers true at the
+    # first of those: only the dimensions of size 2 or more are checked (an empty tensor too)
     expected = 1
-    for d in perm:
-        if sizes[d] == 1:
-            continue
+    for d in sorted((d for d in range(t.dim()) if sizes[d] >= 2), key=lambda d: strides[d]):
         if strides[d] != expected:
             return False
         expected *= sizes[d]
@@ -64,8 +63,10 @@ def obeys_layout_contract(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
     """AccumulateGrad's ``obeys_layout_contract`` (strided tensors)."""
     if grad.layout != torch.strided or leaf.layout != torch.strided:
         return False
-    if leaf.is_contiguous() and grad.is_contiguous() and 0 not in grad.stride():
-        return True  # the common case, decided by two C calls (both dense, same strides)
+    if leaf.is_contiguous() and grad.is_contiguous() and 0 not in grad.stride() and grad.numel():
+        # the common case, decided by two C calls (both dense, same strides); an empty tensor
+        # is contiguous whatever its strides, which the contract still compares
+        return True
     if is_non_overlapping_and_dense(leaf):
         leaf_strides = leaf.stride()
         for size, stride, leaf_stride in zip(grad.shape, grad.stride(), leaf_strides, strict=True):
