@@ -192,3 +192,32 @@ def test_every_float64_and_complex64_sample(propagation: str, tmp_path: pathlib.
     assert not silent, "samples that differ from eager without a word:\n" + _by_op(silent)
     assert not unnamed, "errors that do not name the op:\n" + _by_op(unnamed)
     assert sum(s["samples"]["exact"] for s in result["summary"].values()) > 0
+
+
+def _square_sum_sample() -> tuple[object, object]:
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 3, generator=gen, dtype=torch.complex64).requires_grad_()
+    return (lambda t: (t * t * t.conj()).sum().real), SampleInput(x)
+
+
+@pytest.mark.parametrize(
+    ("patched", "passes"),
+    [
+        (lambda g: g.clone(), True),  # eager's own values
+        (lambda g: g * (1 + 3e-7), True),  # rounding of another order
+        (lambda g: g.conj(), False),  # a lost conjugate
+        (lambda g: 2 * g, False),  # an update applied twice
+        (lambda g: g + 1e-2 * g.abs().max(), False),  # a shift far above the dtype's rounding
+    ],
+    ids=["eager", "rounding", "lost-conjugate", "doubled", "shifted"],
+)
+def test_arbitration_accepts_rounding_and_refuses_wrong_values(patched, passes: bool) -> None:
+    """The sweep's arbiter (values differ, nothing else): a patched gradient whose error against
+    the sample in double precision is of the order of eager's passes; a wrong value does not."""
+    op, sample = _square_sum_sample()
+    want, _ = opinfo_sweep._run(op, sample, 0, fake=False)
+    got = [patched(w) for w in want]
+    judged = opinfo_sweep._arbitrate(op, sample, 0, got, want, {"leaf 0"})
+    assert (judged is not None) is passes, judged
