@@ -194,9 +194,9 @@ class Dispatcher:
         except Exception as exc:  # never break the host's fake computation
             self._errors.internal_error("dispatch", exc)
             return wrapped(*args, **kwargs)
-        written = op_facts.writes(op_args, op_kwargs, self.settings.fast)  # BatchNorm's too
         if frame is None:
             return self._outermost(wrapped, args, kwargs, mode, func, op_facts, op_args, op_kwargs)
+        written = op_facts.writes(op_args, op_kwargs, self.settings.fast)  # BatchNorm's too
         frame.depth += 1
         try:
             if written:
