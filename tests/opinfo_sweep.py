@@ -377,10 +377,9 @@ def _arbitrate(
     value (a lost conjugate, an update applied twice) is of the order of the values themselves,
     far from the reference while eager is near it. None: the difference stands (or no
     reference)."""
-    wider = {dtype: WIDER[dtype] for dtype in WIDER}
 
     def widen(t: torch.Tensor) -> torch.Tensor:
-        target = wider.get(t.dtype)
+        target = WIDER.get(t.dtype)
         if target is None:
             return t
         out = t.detach().to(target)
