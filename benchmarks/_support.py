@@ -14,8 +14,10 @@ drift of a noisy machine hits both sides alike.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -199,6 +201,36 @@ TRAIN_MODELS: dict[str, tuple[Callable[[str], torch.nn.Module], tuple[int, ...]]
     "mlp": (train_mlp, (64, 256)),
     "convnet": (small_convnet, (16, 3, 32, 32)),
 }
+
+
+def seeded_input(device: str, *shape: int) -> torch.Tensor:
+    """A random input of ``shape``, the same in every process (its own generator, seed 1)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def mlp(
+    device: str, depth: int, width: int, batch: int, activation: type[torch.nn.Module]
+) -> tuple[torch.nn.Sequential, torch.Tensor]:
+    """``depth`` Linear(width)/``activation`` pairs and an input of ``batch`` rows, the same in
+    every process (seeded)."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), activation()]
+    return torch.nn.Sequential(*layers).to(device), seeded_input(device, batch, width)
+
+
+def zoo_case(name: str, device: str) -> tuple[torch.nn.Module, tuple[Any, ...], Callable[..., Any]]:
+    """tests/_zoo.py's model ``name``: (model, inputs, loss), the loss the mean square of the
+    output where the zoo names none."""
+    tests = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import _zoo
+
+    case = _zoo.ZOO[name](device)
+    loss_fn = case.get("loss_fn") or (lambda out: out.square().mean())
+    return case["model"], tuple(case["inputs"]), loss_fn
 
 
 def batch(shape: tuple[int, ...], device: str, classes: int = 10) -> tuple[torch.Tensor, ...]:

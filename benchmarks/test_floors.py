@@ -24,8 +24,6 @@ step, as a tool that runs one fake session per call does.
 
 from __future__ import annotations
 
-import pathlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -66,26 +64,14 @@ def aten_ops(model: nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[[Any],
     return counter.ops
 
 
-def _seeded_input(device: str, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(device)
-
-
 def tiny_mlp(device: str) -> Case:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(10):
-        layers += [nn.Linear(64, 64), nn.ReLU()]
-    model = nn.Sequential(*layers).to(device)
-    return model, (_seeded_input(device, 8, 64),), lambda out: out.square().mean()
+    model, x = _support.mlp(device, 10, 64, 8, nn.ReLU)
+    return model, (x,), lambda out: out.square().mean()
 
 
 def large_mlp(device: str) -> Case:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(6):
-        layers += [nn.Linear(1024, 1024), nn.GELU()]
-    model = nn.Sequential(*layers).to(device)
-    return model, (_seeded_input(device, 256, 1024),), lambda out: out.square().mean()
+    model, x = _support.mlp(device, 6, 1024, 256, nn.GELU)
+    return model, (x,), lambda out: out.square().mean()
 
 
 def convnet_bn(device: str) -> Case:
@@ -112,25 +98,7 @@ def transformer(device: str) -> Case:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(512, 8, dim_feedforward=2048, batch_first=True)
     model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).to(device)
-    return model, (_seeded_input(device, 8, 128, 512),), lambda out: out.square().mean()
-
-
-def _zoo() -> Any:
-    tests = str(pathlib.Path(__file__).resolve().parent.parent / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    import _zoo
-
-    return _zoo
-
-
-def _zoo_case(name: str) -> Callable[[str], Case]:
-    def build(device: str) -> Case:
-        case = _zoo().ZOO[name](device)
-        loss_fn = case.get("loss_fn") or (lambda out: out.square().mean())
-        return case["model"], tuple(case["inputs"]), loss_fn
-
-    return build
+    return model, (_support.seeded_input(device, 8, 128, 512),), lambda out: out.square().mean()
 
 
 #: name -> (builder, goal of patched / eager)
@@ -156,14 +124,14 @@ ZOO_MODELS = [
 
 
 def _build(name: str, device: str) -> tuple[Case, int]:
-    builder = MODELS[name][0] if name in MODELS else _zoo_case(name.removeprefix("zoo_"))
-    case = builder(device)
+    if name in MODELS:
+        case = MODELS[name][0](device)
+    else:
+        case = _support.zoo_case(name.removeprefix("zoo_"), device)
     return case, aten_ops(*case)
 
 
-def _timed(
-    name: str, device: str, variant: str, model: nn.Module, inputs: Any, loss_fn: Any
-) -> Callable[[], None]:
+def _timed(variant: str, model: nn.Module, inputs: Any, loss_fn: Any) -> Callable[[], None]:
     def eager() -> None:
         loss_fn(model(*inputs)).backward()
 
@@ -209,7 +177,7 @@ def test_p19_step_against_eager(benchmark, device: str, name: str, slot: _suppor
         device=device,
         detail=name,
         goal=goal,
-        target=_timed(name, device, variant, model, inputs, loss_fn),
+        target=_timed(variant, model, inputs, loss_fn),
         setup=lambda: model.zero_grad(set_to_none=True),
         rounds=3 if name in ("tiny_mlp10x64",) or name.startswith("zoo_") else 2,
         extra={"aten_ops": ops},
@@ -233,7 +201,7 @@ def test_p20_per_op_against_a_pass_through_mode(
         device=device,
         detail="tiny_mlp10x64, per aten op",
         goal=3.0 if variant == "patched" else None,
-        target=_timed("tiny_mlp10x64", device, variant, model, inputs, loss_fn),
+        target=_timed(variant, model, inputs, loss_fn),
         setup=lambda: model.zero_grad(set_to_none=True),
         rounds=20,
         extra={"aten_ops": ops},

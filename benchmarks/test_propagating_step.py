@@ -19,8 +19,6 @@ FakeTensorMode per step, as a tool that runs one fake session per call does.
 
 from __future__ import annotations
 
-import pathlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,20 +33,8 @@ from benchmarks import _support
 Case = tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.Tensor]]
 
 
-def _tanh_mlp(device: str, depth: int, width: int, batch: int) -> tuple[nn.Module, torch.Tensor]:
-    """``depth`` Linear(width)/Tanh pairs and an input of ``batch`` rows, the same in every
-    process (seeded)."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    model = nn.Sequential(*layers).to(device)
-    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1)).to(device)
-    return model, x
-
-
 def _mlp(device: str) -> Case:
-    model, x = _tanh_mlp(device, 20, 256, 64)
+    model, x = _support.mlp(device, 20, 256, 64, nn.Tanh)
     return model, (x,), lambda out: out.square().mean()
 
 
@@ -73,18 +59,11 @@ def _transformer(device: str) -> Case:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, batch_first=True)
     model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).to(device)
-    x = torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1)).to(device)
-    return model, (x,), lambda out: out.square().mean()
+    return model, (_support.seeded_input(device, 8, 16, 64),), lambda out: out.square().mean()
 
 
 def _zoo_model(device: str) -> Case:
-    tests = str(pathlib.Path(__file__).resolve().parent.parent / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    import _zoo
-
-    case = _zoo.batchnorm_resnet(device)
-    return case["model"], tuple(case["inputs"]), case["loss_fn"]
+    return _support.zoo_case("batchnorm_resnet", device)
 
 
 MODELS: dict[str, Callable[[str], Case]] = {
@@ -144,7 +123,7 @@ def test_p18_real_step_after_a_session(benchmark, device: str, slot: _support.Sl
     import gc
 
     def build() -> tuple[nn.Module, torch.Tensor, torch.optim.Optimizer]:
-        model, x = _tanh_mlp(device, 30, 64, 16)
+        model, x = _support.mlp(device, 30, 64, 16, nn.Tanh)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         _support.use_patch(True)
         with _support.fake_mode(propagate=True):  # the session
