@@ -102,7 +102,8 @@ def _sink_failed(path: str, reason: str) -> None:
 _lock = threading.RLock()
 _config: TraceConfig = _env.config_from_env()
 _pipeline.buffer = deque(maxlen=_config.buffer_size)
-_pipeline.sink = _sinks.make_sink(_config, _sink_failed)  # nothing is opened before the first event
+# nothing is opened before the first event
+_pipeline.sink = _sinks.make_sink(_config, _sink_failed, _pipeline.render_line)
 #: the lowest level anything wants: the buffer, the sink or a capture block
 _threshold: int = _config.effective_level
 _pipeline.buffer_level = _config.effective_level
@@ -145,6 +146,32 @@ def _method_for(level: int) -> Callable[..., Any]:
 
 
 # -- recording events -----------------------------------------------------------------------------
+
+
+#: True while the sink is a JSONL file: the patch's hot paths then :func:`hold` its lines (a
+#: module global, read without a lock: one attribute read where no file is traced)
+file_sink_on: bool = type(_pipeline.sink) is _sinks.FileSink
+
+
+def hold() -> _sinks.FileSink | None:
+    """Hold this thread's lines for the file sink until :func:`release` (the patch's outermost
+    op of a propagating mode and its armed backward calls): written with one ``os.write`` when
+    the outermost hold ends (or every 64 KiB) instead of one per line. ``None`` (nothing to
+    release) where the sink is not a working file. Pass the result to :func:`release`."""
+    sink = _pipeline.sink
+    if type(sink) is not _sinks.FileSink or sink.failed:
+        return None
+    sink.hold()
+    return sink
+
+
+def release(held: _sinks.FileSink | None) -> None:
+    """End a :func:`hold` (``None``: nothing to do); never raises."""
+    if held is not None:
+        try:
+            held.release()
+        except Exception as exc:
+            _env.warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
 
 
 def enabled(level: int) -> bool:
@@ -195,7 +222,8 @@ def events() -> list[dict[str, Any]]:
             snapshot = list(_pipeline.buffer)
         except RuntimeError:  # appended to (a GC finalizer) while being copied: again
             continue
-        return [dict(e) for e in snapshot]
+        expand = _pipeline.expand
+        return [dict(e) if isinstance(e, dict) else expand(e) for e in snapshot]
     return []  # pragma: no cover - never seen
 
 
@@ -277,14 +305,15 @@ def restore(config: TraceConfig) -> None:
 
 def _apply(config: TraceConfig) -> None:
     """Make ``config`` the one in force; called with ``_lock`` held."""
-    global _config, _methods
+    global _config, _methods, file_sink_on
     old = _pipeline.sink
     if (
         config.path != _config.path
         or config.max_bytes != _config.max_bytes
         or (old is not None and old.failed)
     ):
-        _pipeline.sink = _sinks.make_sink(config, _sink_failed)
+        _pipeline.sink = _sinks.make_sink(config, _sink_failed, _pipeline.render_line)
+        file_sink_on = type(_pipeline.sink) is _sinks.FileSink
         if old is not None:
             old.close()
     if config.buffer_size != _pipeline.buffer.maxlen:

@@ -30,7 +30,7 @@ from ._sinks import FileSink, NullSink, Sink
 # the old or the new value, never half of a change.
 
 #: the in-memory buffer (``events()``): the newest events, the dicts themselves
-buffer: deque[dict[str, Any]] = deque(maxlen=DEFAULT_BUFFER_SIZE)
+buffer: deque[dict[str, Any] | Record] = deque(maxlen=DEFAULT_BUFFER_SIZE)
 #: the level of the buffer and of the sink
 buffer_level: int = DEBUG
 #: active ``capture()`` blocks: (level, list)
@@ -76,12 +76,13 @@ def scrub(value: Any, depth: int = 0) -> Any:
 _second: tuple[int, str] = (-1, "")
 
 
-def timestamp() -> str:
-    """ISO 8601 UTC with microseconds, ``2026-11-30T21:54:22.081334Z``; the date and time of
-    day are formatted once per second (``datetime.isoformat`` per event costs more than the rest
-    of the envelope)."""
+def timestamp(now: int | None = None) -> str:
+    """ISO 8601 UTC with microseconds, ``2026-11-30T21:54:22.081334Z``, of now or of ``now``
+    (``time.time_ns()``); the date and time of day are formatted once per second
+    (``datetime.isoformat`` per event costs more than the rest of the envelope)."""
     global _second
-    now = time.time_ns()
+    if now is None:
+        now = time.time_ns()
     sec, ns = divmod(now, 1_000_000_000)
     cached = _second
     if cached[0] != sec:
@@ -120,17 +121,55 @@ def envelope(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
 # -- the processor --------------------------------------------------------------------------------
 
 
-def process(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> bytes:
+#: A buffered event not yet spread into its envelope: (event, level name, ``time.time_ns()``,
+#: pid, tid, the owned fields). :func:`expand` makes the dict :func:`process` would have made.
+Record = tuple[str, str, int, int, int, dict[str, Any]]
+_time_ns = time.time_ns
+
+
+def expand(record: Record) -> dict[str, Any]:
+    """A fresh event dict from a :data:`Record`: the same keys, order and values as the envelope
+    :func:`process` builds for the same event (the timestamp of the moment it was recorded)."""
+    event, level, now, event_pid, tid, fields = record
+    out: dict[str, Any] = {
+        "event": event,
+        "level": level,
+        "timestamp": timestamp(now),
+        "schema": SCHEMA_VERSION,
+        "pid": event_pid,
+        "tid": tid,
+    }
+    out.update(fields)
+    return out
+
+
+def process(
+    logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
+) -> bytes | tuple[tuple[dict[str, Any]], dict[str, Any]]:
     """The whole pipeline as one structlog processor: :func:`envelope`; the event into the buffer
     (the dict itself: ``events()`` copies) and a copy into each capture block that wants its
     level; then the line as bytes, or ``b""`` (written as nothing) when there is no sink or it
-    does not want the event.
+    does not want the event; for the file sink, the event itself (structlog's ``(args,
+    kwargs)`` form: the sink renders it, at once or with the lines its thread holds).
 
     One step rather than three (envelope, fan-out, renderer): one call per event, no
     ``DropEvent`` raised for events the sink does not want, one dict shared by the buffer and the
     renderer. Same keys, order, scrubbing and bytes as :func:`envelope` then :func:`render_line`.
+
+    An owned event (``emit_fields(owned=True)``: the hot paths') that only the buffer wants (no
+    line to write, no capture block) is kept as a :data:`Record`, and ``events()`` spreads it
+    out: the envelope and the timestamp's text are built when someone reads the buffer, not
+    for every event (P13: the trace's cost per event in memory).
     """
     owned = event_dict.pop(_OWNED, None)
+    if owned is not None and not captures and len(event_dict) == 1:
+        target = sink
+        if target is None or target.failed:
+            if LEVELS[method_name] >= buffer_level:
+                buffer.append(
+                    (event_dict["event"], method_name, _time_ns(), pid, _get_ident(), owned)
+                )
+            return b""
     fields = event_dict.pop(_FIELDS, None) if owned is None else None
     out: dict[str, Any] = {
         "event": event_dict.pop("event"),
@@ -164,6 +203,9 @@ def process(logger: Any, method_name: str, event_dict: MutableMapping[str, Any])
     target = sink
     if not wanted or target is None or target.failed:
         return b""
+    if type(target) is FileSink:
+        # the file sink renders it: now, or with the lines its thread holds (FileSink.hold)
+        return ((out,), {})  # structlog's (args, kwargs): logger.info(out)
     render = _render_line
     if render is None:
         render = _set_renderer()

@@ -2,12 +2,14 @@
 
 The file sink is opened on the first line, without following a symlink and without blocking
 (a FIFO at the path must not hang the program), must be a regular file, is appended with one
-``os.write`` per line (``O_APPEND``: several processes can share it) and is rotated to ``path.1``
-at ``max_bytes``. A sink that fails warns once, reports the failure (``on_failure``: the public
-API traces it) and stays off; the program continues. :func:`path_problem` says, without opening
-anything, why a path would not work.
+``os.write`` per line, or per held group of whole lines (``O_APPEND``: several processes can
+share it; see :meth:`FileSink.hold`) and is rotated to ``path.1`` at ``max_bytes``. A sink that
+fails warns once, reports the failure (``on_failure``: the public API traces it) and stays off;
+the program continues. :func:`path_problem` says, without opening anything, why a path would
+not work.
 
-structlog calls a sink's method named after the level with the rendered bytes.
+structlog calls a sink's method named after the level with the rendered bytes (the file sink:
+with the event itself, which it renders when it writes it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 from ._env import DEFAULT_MAX_BYTES, TraceConfig, warn
 
@@ -43,6 +45,20 @@ _OPEN_FLAGS: Final = (
 )
 #: How often (bytes written by this process) a file sink checks its file's size and identity.
 _CHECK_EVERY_MAX: Final = 1024 * 1024
+#: Lines a thread holds (:meth:`FileSink.hold`) are written once they are this many.
+HOLD_MAX_LINES: Final = 512
+_get_ident = threading.get_ident
+
+
+class _Held:
+    """One thread's held lines (rendered, or events still to render): how deep its holds are
+    nested, the lines."""
+
+    __slots__ = ("depth", "lines")
+
+    def __init__(self) -> None:
+        self.depth = 1
+        self.lines: list[Any] = []
 
 
 class _SinkRefused(OSError):
@@ -72,14 +88,22 @@ def _wide_mode_notice(path: str, mode: int) -> str:
 
 class FileSink:
     """Appends rendered lines (bytes) to a file: opened on the first line (mode 0600 when
-    created), ``O_APPEND`` and one ``os.write`` per line, so lines from several processes never
-    interleave. Rotated to ``path.1`` at ``max_bytes`` (see :meth:`_check`).
+    created), ``O_APPEND`` and one ``os.write`` per line (or per held group of whole lines), so
+    lines from several processes never interleave. Rotated to ``path.1`` at ``max_bytes`` (see
+    :meth:`_check`).
     """
 
     def __init__(
-        self, path: str, max_bytes: int = DEFAULT_MAX_BYTES, on_failure: OnFailure | None = None
+        self,
+        path: str,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        on_failure: OnFailure | None = None,
+        render: Callable[[Any], bytes] | None = None,
     ) -> None:
         self.path = path
+        #: event dict -> its line: :meth:`write` takes events (dicts) as well as rendered lines
+        #: where the pipeline gave one
+        self.render = render
         self.max_bytes = max_bytes
         self.failed = False
         self.failure: str | None = None
@@ -95,14 +119,72 @@ class FileSink:
         # inside write() on this same thread. Held for the file's own operations only: never
         # while warning, emitting or importing (any of those can wait for another thread).
         self._lock = threading.RLock()
+        #: thread ident -> the lines it holds (:meth:`hold`); empty when none does
+        self._held: dict[int, _Held] = {}
 
     def after_fork_in_child(self) -> None:
-        """A fresh lock: the parent's may have been held by a thread the child does not have."""
+        """A fresh lock: the parent's may have been held by a thread the child does not have.
+        The lines held at the fork are the parent's to write."""
         self._lock = threading.RLock()
+        self._held = {}
 
-    def write(self, data: bytes) -> None:
+    # -- held lines ------------------------------------------------------------------------------
+
+    def hold(self) -> None:
+        """Keep this thread's lines until the matching :meth:`release`, then render the events
+        among them and write them all with one ``os.write`` (earlier once they are
+        :data:`HOLD_MAX_LINES`). Holds nest. The patch holds around one outermost op of a
+        propagating mode and one armed backward call: the events of a conversion of many
+        parameters, or of every leaf a backward reaches, cost one system call instead of one
+        each, are rendered in one tight loop, and appear in the file when that op or call
+        ends."""
+        ident = _get_ident()
+        held = self._held.get(ident)
+        if held is None:
+            self._held[ident] = _Held()
+        else:
+            held.depth += 1
+
+    def release(self) -> None:
+        """End one :meth:`hold` of this thread; the outermost one writes what it kept."""
+        ident = _get_ident()
+        held = self._held.get(ident)
+        if held is None:
+            return  # held before a fork (the parent writes those lines)
+        held.depth -= 1
+        if held.depth <= 0:
+            del self._held[ident]
+            if held.lines:
+                self._write_lines(held.lines)
+
+    def write(self, data: Any) -> None:
+        """One line (bytes), or one event (a dict of plain data) to render as one."""
         if not data:
             return  # an event the sink does not want (the pipeline rendered nothing)
+        if self._held:
+            held = self._held.get(_get_ident())
+            if held is not None:
+                lines = held.lines
+                lines.append(data)
+                if len(lines) >= HOLD_MAX_LINES:
+                    held.lines = []
+                    self._write_lines(lines)
+                return
+        if type(data) is not bytes:
+            data = self._render(data)
+        self._write_now(data)
+
+    def _render(self, event: Any) -> bytes:
+        render = self.render
+        if render is None:
+            raise TypeError("this sink was given an event but has no renderer")
+        return render(event)
+
+    def _write_lines(self, lines: list[Any]) -> None:
+        render = self._render
+        self._write_now(b"".join([d if type(d) is bytes else render(d) for d in lines]))
+
+    def _write_now(self, data: bytes) -> None:
         try:
             with self._lock:
                 if self.failed:
@@ -208,6 +290,12 @@ class FileSink:
             self._on_failure(self.path, reason)
 
     def close(self) -> None:
+        """Write the lines every thread holds so far (their holds go on), then close the file;
+        a later line reopens it."""
+        for entry in list(self._held.values()):
+            lines, entry.lines = entry.lines, []
+            if lines:
+                self._write_lines(lines)
         with self._lock:
             fd, self._fd = self._fd, None
         if fd is not None:
@@ -274,13 +362,18 @@ class NullSink:
 Sink = FileSink | StderrSink
 
 
-def make_sink(config: TraceConfig, on_failure: OnFailure | None = None) -> Sink | None:
-    """The sink ``config.path`` asks for; nothing is opened before the first line."""
+def make_sink(
+    config: TraceConfig,
+    on_failure: OnFailure | None = None,
+    render: Callable[[Any], bytes] | None = None,
+) -> Sink | None:
+    """The sink ``config.path`` asks for; nothing is opened before the first line. ``render``:
+    how a file sink renders the events it is given instead of lines."""
     if config.path is None:
         return None
     if config.path == "-":
         return StderrSink()
-    return FileSink(config.path, config.max_bytes, on_failure)
+    return FileSink(config.path, config.max_bytes, on_failure, render)
 
 
 def path_problem(target: str) -> str | None:

@@ -137,6 +137,8 @@ class Arming:
         # DDP inside a fake mode: its Reducer runs with the mode popped (see _ddp); None (no
         # context, no extra Python frame) when no DDP forward ever ran in a fake mode.
         scope = self._scopes.backward_scope()
+        # the call's lines (an event per leaf it reaches) in one write
+        held = trace.hold() if token is not None and trace.file_sink_on else None
         try:
             if scope is None:
                 return wrapped(*args, **kwargs)
@@ -147,6 +149,8 @@ class Arming:
                 span = _profiling.begin(_profiling.DISARM)  # None unless profiling
                 self.disarm(token)
                 _profiling.end(span)
+            if held is not None:
+                trace.release(held)
 
     def _arm_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]] | None:
         tensors = args[0] if args else kwargs.get("tensors")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ... import trace
 from ..touchpoints import sites as _sites
 from ..touchpoints import targets as _targets
 from ..touchpoints.targets import Resolved
@@ -72,9 +73,8 @@ class Dispatcher:
         self._fallback = Fallback(resolved, self.settings, self.stats, self._fast, errors)
         #: ops the mode answers from metadata (``prim.device``): handed straight on
         self._direct = _targets.direct_ops(resolved.fake_tensor_module)
-        self._can_read_frames = (
-            _targets.resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT) is not None
-        )
+        real_out = _targets.resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT)
+        self._can_read_frames = real_out is not None
 
     # -- on / off -------------------------------------------------------------------------------
 
@@ -157,11 +157,10 @@ class Dispatcher:
 
     def write_back(self, on: bool) -> bool:
         """``buffers="write_back"`` on or off; False where it is unavailable."""
-        if on:
-            if not self.aliases.enable():
-                return False
-        else:
+        if not on:
             self.aliases.disable()
+        elif not self.aliases.enable():
+            return False
         self.born_inside.follow(on)
         return True
 
@@ -234,8 +233,8 @@ class Dispatcher:
             self._guarded(self.watch.enter, frame, written)
         stack = self.frames.stack
         stack.append(frame)
-        ok = False
-        result = None
+        ok, result = False, None
+        held = trace.hold() if trace.file_sink_on else None  # the op's lines: one write
         try:
             result = self._call(wrapped, args, kwargs, mode, func, frame.op, op_facts)
             if (
@@ -254,6 +253,8 @@ class Dispatcher:
             if frame.swaps:
                 self._guarded(self._nested.unshadow, frame)
             self._guarded(self.watch.returned, frame, func, result, ok)
+            if held is not None:
+                trace.release(held)
 
     def _call(
         self, wrapped: Any, args: Any, kwargs: Any, mode: Any, func: Any, op: Any, op_facts: Any
