@@ -157,11 +157,16 @@ def hold() -> _sinks.FileSink | None:
     """Hold this thread's lines for the file sink until :func:`release` (the patch's outermost
     op of a propagating mode and its armed backward calls): written with one ``os.write`` when
     the outermost hold ends (or every 64 KiB) instead of one per line. ``None`` (nothing to
-    release) where the sink is not a working file. Pass the result to :func:`release`."""
+    release) where the sink is not a working file. Pass the result to :func:`release`. Never
+    raises."""
     sink = _pipeline.sink
     if type(sink) is not _sinks.FileSink or sink.failed:
         return None
-    sink.hold()
+    try:
+        sink.hold()
+    except Exception as exc:
+        _env.warn(f"fakegrad_patch: tracing failed ({type(exc).__name__}: {exc}); continuing")
+        return None
     return sink
 
 

@@ -231,10 +231,10 @@ class Dispatcher:
         written = op_facts.writes(op_args, op_kwargs, self.settings.fast)
         if written:
             self._guarded(self.watch.enter, frame, written)
+        held = trace.hold() if trace.file_sink_on else None  # the op's lines: one write
         stack = self.frames.stack
         stack.append(frame)
         ok, result = False, None
-        held = trace.hold() if trace.file_sink_on else None  # the op's lines: one write
         try:
             result = self._call(wrapped, args, kwargs, mode, func, frame.op, op_facts)
             if (
