@@ -156,7 +156,7 @@ file_sink_on: bool = type(_pipeline.sink) is _sinks.FileSink
 def hold() -> _sinks.FileSink | None:
     """Hold this thread's lines for the file sink until :func:`release` (the patch's outermost
     op of a propagating mode and its armed backward calls): written with one ``os.write`` when
-    the outermost hold ends (or every 64 KiB) instead of one per line. ``None`` (nothing to
+    the outermost hold ends (or every 512 lines) instead of one per line. ``None`` (nothing to
     release) where the sink is not a working file. Pass the result to :func:`release`. Never
     raises."""
     sink = _pipeline.sink
