@@ -117,6 +117,16 @@ def propagate() -> Iterator[None]:
 
 
 @pytest.fixture
+def restore_trace() -> Iterator[None]:
+    """Tests that change the trace configuration put it back."""
+    previous = trace.current_config()
+    try:
+        yield
+    finally:
+        trace.restore(previous)
+
+
+@pytest.fixture
 def no_propagate() -> Iterator[None]:
     with functorch_config.patch(fake_tensor_propagate_real_tensors=False):
         yield

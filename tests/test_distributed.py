@@ -344,7 +344,9 @@ _teardown({"rank": rank, "armed_after_fake_session": armed,
 """
 )
 
-#: Every configuration of the matrix (docs/compatibility.md, "Distributed", the table).
+#: Every configuration of the matrix (docs/compatibility.md, "Distributed", the table), a plain
+#: test on every build (BatchNorm with ``broadcast_buffers`` was an xfail on 2.4.0, its third
+#: synced step off eager DDP's; it has passed there since issue 44's fixes, every run).
 CONFIGS = (
     "default",
     "bucket_view",
@@ -360,13 +362,6 @@ CONFIGS = (
     "after_find_unused",
     "fsdp2",
 )
-
-
-def _configs() -> list[str]:
-    """Every configuration, plain tests on every build. (BatchNorm with ``broadcast_buffers``
-    was an xfail on 2.4.0, its third synced step off eager DDP's; it has passed there since
-    issue 44's fixes, every run.)"""
-    return list(CONFIGS)
 
 
 #: Synced steps each configuration reports (no_sync: two local steps, then one synced; join:
@@ -455,7 +450,7 @@ def matrix() -> list[dict[str, Any]]:
     return _run_ranks(MATRIX_WORKER, CONFIGS=",".join(CONFIGS))
 
 
-@pytest.mark.parametrize("config", _configs())
+@pytest.mark.parametrize("config", CONFIGS)
 def test_fake_forward_and_backward_inside_ddp_give_eager_ddp_grads(
     matrix: list[dict[str, Any]], config: str
 ) -> None:
@@ -477,7 +472,7 @@ def nccl_matrix() -> dict[str, Any]:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch build has no NCCL")
-@pytest.mark.parametrize("config", _configs())
+@pytest.mark.parametrize("config", CONFIGS)
 def test_nccl_on_one_gpu_fake_forward_and_backward_give_eager_ddp_grads(
     nccl_matrix: dict[str, Any], config: str
 ) -> None:

@@ -13,7 +13,6 @@ import sys
 import textwrap
 import warnings
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,16 +106,6 @@ def _plain(value: Any) -> bool:
     if type(value) is dict:
         return all(type(k) is str and _plain(v) for k, v in value.items())
     return isinstance(value, (str, int, float, bool, type(None)))
-
-
-@pytest.fixture
-def restore_trace() -> Iterator[None]:
-    """Tests that change the trace configuration put it back."""
-    previous = trace.current_config()
-    try:
-        yield
-    finally:
-        trace.restore(previous)
 
 
 def _model() -> torch.nn.Linear:

@@ -17,7 +17,6 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +26,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fakegrad_patch import trace
 from fakegrad_patch.trace import _pipeline, _sinks
-
-
-@pytest.fixture
-def restore_trace() -> Iterator[None]:
-    previous = trace.current_config()
-    try:
-        yield
-    finally:
-        trace.restore(previous)
 
 
 def _owned(i: int) -> dict[str, Any]:

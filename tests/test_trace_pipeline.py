@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +17,6 @@ import pytest
 
 from fakegrad_patch import trace
 from fakegrad_patch.trace import _pipeline
-
-
-@pytest.fixture
-def restore_trace() -> Iterator[None]:
-    previous = trace.current_config()
-    try:
-        yield
-    finally:
-        trace.restore(previous)
 
 
 def test_timestamps_are_utc_with_microseconds_even_on_a_whole_second(

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,15 +150,6 @@ def test_a_trace_file_readable_by_others_is_warned_about_once_and_appended(
 
 
 # -- size cap and rotation ------------------------------------------------------------------------
-
-
-@pytest.fixture
-def restore_trace() -> Iterator[None]:
-    previous = trace.current_config()
-    try:
-        yield
-    finally:
-        trace.restore(previous)
 
 
 def _seqs(path: Path) -> list[int]:
