@@ -54,6 +54,7 @@ RANKS: list[tuple[str, list[str]]] = [
             "_core.touchpoints.sites",
             "_core.convert",
             "_core.convert.leaves",
+            "_core.convert.lending",
             "_core.accumulate",
             "_core.accumulate.profiling",
         ],

@@ -35,6 +35,7 @@ import torch
 from ... import _config, trace
 from ..._errors import FakeGradError, FakeGradPatchWarning
 from ..convert import leaves as _leaves
+from ..convert import lending as _lending
 from ..state import warn_once
 from ..touchpoints.targets import Resolved
 from ..typing import InternalErrors
@@ -356,6 +357,8 @@ class Materializer:
             and obeys_layout_contract(value, leaf)
         ):
             return False
+        if _lending.any_lent() and _lending.is_lent(value.untyped_storage()):
+            return False  # a parameter's own bytes, lent (convert/lending.py): never adopted
         seen = getattr(self._calibration, "seen", None)
         baseline = self.baseline
         if baseline is None and seen is None:

@@ -13,14 +13,17 @@ from typing import Any
 import torch
 
 from ... import trace
+from ..touchpoints import targets as _targets
 from ..weak import WeakIdTable
 from . import leaves as _leaves
+from . import lending as _lending
 
 #: converter -> (real source root -> (weak ref to the fake root, data pointer of its propagated
 #: storage, source version when synced))
 _records: WeakIdTable[WeakIdTable[tuple[Any, int, int]]] = WeakIdTable()
-#: real root -> {data pointer: weak reference to the storage} of the propagated copies made of
-#: it (a storage lives while any fake or view over it does)
+#: real root -> {StorageImpl address: weak reference to the storage} of the propagated copies
+#: made of it (a storage lives while any fake or view over it does; its data pointer moves when
+#: lent values are owned: lending.py)
 _copies: WeakIdTable[dict[int, Any]] = WeakIdTable()
 
 
@@ -45,14 +48,14 @@ def lookup(conv: Any) -> WeakIdTable[tuple[Any, int, int]] | None:
 def note_copy(root: Any, real: Any) -> None:
     """``real`` (a fake's propagated values) is a copy of the real tensor ``root``."""
     storage = real.untyped_storage()
-    data = storage.data_ptr()
+    key = _targets.storage_key(storage)
     copies = _copies.get(root)
     if copies is None:
         copies = {}
         _copies.set(root, copies)
-    ref = copies.get(data)
-    if ref is None or ref() is None:
-        copies[data] = weakref.ref(storage)
+    ref = copies.get(key)
+    if ref is None or ref() is not storage:
+        copies[key] = weakref.ref(storage)
 
 
 class Copies:
@@ -75,13 +78,14 @@ class Copies:
             return
         source = root.untyped_storage()
         ptr = source.data_ptr()
-        for data, ref in list(copies.items()):
+        for key, ref in list(copies.items()):
             storage = ref()
             if storage is None:
-                del copies[data]
+                del copies[key]
                 continue
-            if data == ptr or storage.nbytes() != source.nbytes():
-                continue  # an alias of t (write-back), or a layout of its own
+            if storage.data_ptr() == ptr or storage.nbytes() != source.nbytes():
+                continue  # an alias of t (write-back, lent values), or a layout of its own
+            _lending.own(storage)  # lent values of t's earlier bytes: copied first
             with self._no_dispatch(), torch.no_grad():
                 storage.copy_(source)
             if trace.enabled(trace.INFO):

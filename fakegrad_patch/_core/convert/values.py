@@ -47,6 +47,7 @@ from ..touchpoints.probes import D2, FOREIGN_FAKE, Probes, bypassed
 from ..touchpoints.targets import Resolved
 from ..typing import FakeLeafMirror, InternalErrors, RetainedArmer
 from . import leaves as _leaves
+from . import lending as _lending
 from . import records as _records
 from .unseen import Unseen
 
@@ -69,6 +70,66 @@ def _values_are_the_constant(fake: Any) -> None:
         and constant.device == real.device
     ):
         fake.real_tensor = constant
+
+
+def _may_lend(
+    is_fake: Any, dispatch: Any, mode: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """An op input of a propagating mode without a ShapeEnv that may borrow its values
+    (lending.py): the op does not write (the dispatch wrapper's frame says so), write-back
+    is off."""
+    if not _lending.enabled() or kwargs or len(args) != 2:
+        return False
+    t = args[1]
+    if is_fake(t) or not getattr(mode, "propagate_real_tensors", False):
+        return False
+    if getattr(mode, "shape_env", None) is not None or dispatch.aliases.enabled:
+        return False
+    frame = dispatch.frames.top()
+    return frame is not None and frame.mode is mode and not frame.writing and _lending.lendable(t)
+
+
+def _lent(real: Any, values: Any, source: Any, reason: str, may_lend: bool) -> str | None:
+    """Before a copy into ``real``'s storage: lent values over the source's bytes need none
+    (they are the source's), other lent values get their own first; the D2 repair lends
+    where it may (lending.py). The reason left to copy for, or None."""
+    storage = real.untyped_storage()
+    if _lending.is_lent(storage):
+        if _lending.lent_from(storage, values.untyped_storage()):
+            return None
+        _lending.own(storage)
+        return reason
+    if (
+        may_lend
+        and reason == "d2"
+        and real.storage_offset() == values.storage_offset()
+        and real.stride() == values.stride()
+        and _lending.lend_into(storage, values.untyped_storage())
+    ):
+        if trace.enabled(trace.INFO):
+            fields = _leaves.leaf_fields(source)
+            fields["bytes"] = 0
+            trace.emit_fields("d2_repaired", trace.INFO, fields, owned=True)
+        return None
+    return reason
+
+
+def _bits_on_values(resolved: Resolved, fake: Any, t: Any) -> None:
+    """A conjugate or negative tensor that is not a view (a kernel's output): the converter
+    copies its values (``copy_`` resolves the bit) and gives only the fake the bit. The
+    propagated values get the bit too, over a copy of the raw values, so a fake's values
+    are always read with its own bits (as for views, whose copy is the raw storage)."""
+    real = getattr(fake, "real_tensor", None)
+    if real is None or real.layout != torch.strided or t.layout != torch.strided:
+        return
+    if real.is_conj() == fake.is_conj() and real.is_neg() == fake.is_neg():
+        return
+    with resolved.no_dispatch(), torch.no_grad():
+        copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        resolved.set_bits(copy, t.is_conj(), t.is_neg())
+        with resolved.value_keys():
+            copy.copy_(t)
+        fake.real_tensor = copy
 
 
 class Values:
@@ -114,7 +175,12 @@ class Values:
             and not self._fake_leaves.mirroring()
         ):
             return wrapped(*args, **kwargs)
-        fake = wrapped(*args, **kwargs)
+        may_lend = _may_lend(self._is_fake, self._dispatch, mode, args, kwargs)
+        if may_lend:
+            with _lending.Converting(args[1]):  # 2.14+: upstream's copy of it is a loan
+                fake = wrapped(*args, **kwargs)
+        else:
+            fake = wrapped(*args, **kwargs)
         if not self.active or bypassed():
             return fake
         try:
@@ -129,7 +195,7 @@ class Values:
                     self._tracer_owned(instance, mode, t, fake)
                 else:
                     op_input = len(args) == 2 and not kwargs
-                    self._propagating(instance, mode, t, fake, op_input)
+                    self._propagating(instance, mode, t, fake, op_input, may_lend)
             else:
                 self._not_propagating(instance, mode, args, kwargs, fake)
         except Exception as exc:  # never break the host's fake computation
@@ -167,18 +233,24 @@ class Values:
         if fake_leaves.mirroring():
             fake_leaves.on_convert(mode, t, fake)
 
-    def _propagating(self, conv: Any, mode: Any, t: Any, fake: Any, op_input: bool) -> None:
+    def _propagating(
+        self, conv: Any, mode: Any, t: Any, fake: Any, op_input: bool, may_lend: bool = False
+    ) -> None:
         if (fake.is_conj() or fake.is_neg()) and not self._is_fake(t) and t._base is None:
-            self._bits_on_values(fake, t)
+            _bits_on_values(self._resolved, fake, t)
         dispatch = self._dispatch
         if not dispatch.observing:
             dispatch.observe()  # first need: in-place updates of real tensors are watched
+        if _lending.any_lent() and not may_lend:
+            frame = dispatch.frames.top()
+            if frame is not None and frame.writing:
+                _lending.own_tensor(fake)  # the memo's lent fake, converted by an op that writes
         self._unseen.first_contact(conv, mode, t)
         self._unseen.note_made(conv)
         if self._is_fake(t):
             self._sync(conv, fake, t, foreign=True)
         elif t.requires_grad:
-            self._sync(conv, fake, t)
+            self._sync(conv, fake, t, may_lend=may_lend)
             if op_input and t.grad_fn is not None and t.retains_grad:
                 self._armer.arm_retained(t)
         elif _leaves.has_managed_grads() and _leaves.managed_grad(t):
@@ -195,23 +267,6 @@ class Values:
 
     # -- records ---------------------------------------------------------------------------------
 
-    def _bits_on_values(self, fake: Any, t: Any) -> None:
-        """A conjugate or negative tensor that is not a view (a kernel's output): the converter
-        copies its values (``copy_`` resolves the bit) and gives only the fake the bit. The
-        propagated values get the bit too, over a copy of the raw values, so a fake's values
-        are always read with its own bits (as for views, whose copy is the raw storage)."""
-        real = getattr(fake, "real_tensor", None)
-        if real is None or real.layout != torch.strided or t.layout != torch.strided:
-            return
-        if real.is_conj() == fake.is_conj() and real.is_neg() == fake.is_neg():
-            return
-        with self._resolved.no_dispatch(), torch.no_grad():
-            copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            self._resolved.set_bits(copy, t.is_conj(), t.is_neg())
-            with self._resolved.value_keys():
-                copy.copy_(t)
-            fake.real_tensor = copy
-
     def _record_seen(self, conv: Any, t: Any, fake: Any, real: Any) -> None:
         """Record ``conv``'s conversion of ``t`` as seen, without syncing anything (values that
         are upstream's, or an alias of ``t``): the untrusted-mode check then trusts it."""
@@ -227,7 +282,9 @@ class Values:
 
     # -- D2, foreign fakes, stale copies ---------------------------------------------------------
 
-    def _sync(self, conv: Any, fake: Any, source: Any, *, foreign: bool = False) -> None:
+    def _sync(
+        self, conv: Any, fake: Any, source: Any, *, foreign: bool = False, may_lend: bool = False
+    ) -> None:
         real = self._real_of(fake)
         if real is None or real.layout != torch.strided or source.layout != torch.strided:
             return  # no values, or no storage to repair (sparse: upstream's values)
@@ -268,9 +325,11 @@ class Values:
             # converter's storage memo hands a new fake the copy of an earlier conversion (the
             # fake that aliased the source under write-back died meanwhile)
             reason = "stale"
+        if (reason is not None and _lending.any_lent()) or (may_lend and reason == "d2"):
+            reason = _lent(real, values, source, reason, may_lend)
         if reason is not None:
             self._copy_values(real, values, source, reason)
-        table.set(root, (weakref.ref(fake_root), data, version))
+        table.set(root, (weakref.ref(fake_root), real.untyped_storage().data_ptr(), version))
         if not foreign:
             _records.note_copy(root, real)
 

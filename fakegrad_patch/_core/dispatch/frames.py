@@ -31,6 +31,7 @@ class Frame:
         "real_out",
         "scanned",
         "swaps",
+        "writing",
         "written",
     )
 
@@ -46,6 +47,9 @@ class Frame:
         self.scanned = False
         #: nesting below the outermost op (0: the outermost op itself)
         self.depth = 0
+        #: how many of the ops running in this frame (the outermost, nested ones) write
+        #: arguments: no conversion lends values then (convert/lending.py)
+        self.writing = 0
         #: storage data pointer -> the real tensor over it, for every argument of the op whose
         #: fake aliases a real tensor
         self.aliased: dict[int, Any] = {}

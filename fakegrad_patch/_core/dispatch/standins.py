@@ -189,6 +189,21 @@ class StandIns:
             entry = self._by_ptr[ptr] = StandIn(root, ptr, self._by_ptr)
         entry.hold(fake_root)
 
+    def moved(self, old: int, new: int) -> None:
+        """Lent values over ``old`` (a parameter's bytes, which every lent fake of it shares)
+        got their own at ``new``: the fakes now over ``new`` are a stand-in of their own."""
+        entry = self._by_ptr.get(old)
+        root = entry.root() if entry is not None else None
+        if entry is None or root is None:
+            return
+        moved = StandIn(root, new, self._by_ptr)
+        for ref in list(entry.holders.values()):
+            holder = ref()
+            if holder is not None and storage_ptr(getattr(holder, "real_tensor", None)) == new:
+                moved.hold(holder)
+        if moved.holders:
+            self._by_ptr[new] = moved
+
     def hold_views(self, result: Any) -> None:
         """A view op (or ``set_``) returned fakes over a stand-in's storage (``w.detach()``,
         ``g[0]``): they keep the record alive (the converted fake itself may die first)."""

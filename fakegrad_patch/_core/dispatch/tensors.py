@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .. import state as _state
+from ..convert import lending as _lending
 from ..touchpoints import targets as _targets
 
 set_conj, set_neg, is_zero = _targets.value_bit_tools()
@@ -206,3 +207,11 @@ def convert_op_input(mode: Any, t: Any) -> Any:
         return mode.fake_tensor_converter.from_real_tensor(mode, t)
     finally:
         converting.fast = before
+
+
+def own_written(written: Any, op_args: Any, op_kwargs: Any) -> None:
+    """Before an op that writes ``written`` (its facts): every fake among them whose values are
+    lent gets its own (convert/lending.py). Raises what the copy raises: the op must not run."""
+    if _lending.any_lent():
+        for t in written_tensors(written, op_args, op_kwargs or {}):
+            _lending.own_tensor(t)

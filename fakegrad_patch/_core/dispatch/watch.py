@@ -26,6 +26,7 @@ import torch
 from ... import trace
 from .. import state as _state
 from ..convert import leaves as _leaves
+from ..convert import lending as _lending
 from ..touchpoints.targets import Resolved
 from ..typing import CopyRefresher
 from .aliases import Aliases
@@ -154,9 +155,9 @@ class Watch:
         real = fake.real_tensor
         if real is None or real.layout != torch.strided or t.layout != torch.strided:
             return
-        if storage_ptr(real) == storage_ptr(t):
+        if storage_ptr(real) == storage_ptr(t) and not _lending.is_lent(real.untyped_storage()):
             return  # aliased (write-back, a managed .grad): updates reach t
-        self._stand_ins.remember(t, fake)
+        self._stand_ins.remember(t, fake)  # lent values too: copied before any write
         frame = self._frames.top()
         if frame is None or frame.mode is not mode:
             self._unobserved_op_input(t)
@@ -174,6 +175,11 @@ class Watch:
         ):
             return
         frame.lost[id(t)] = (t, "")
+
+    def owned(self, old: int, new: int) -> None:
+        """Lent values over ``old`` got their own copy at ``new`` (convert/lending.py): the
+        stand-in records follow them."""
+        self._stand_ins.moved(old, new)
 
     def _unobserved_op_input(self, t: Any) -> None:
         """No frame of the mode on this thread: the op started before ``dispatch`` was wrapped

@@ -36,7 +36,7 @@ from .objects import BornInside
 from .ops import Kind, facts
 from .refused import Converted, Refused
 from .stats import Settings, Stats
-from .tensors import CannotRebuild, op_arguments
+from .tensors import CannotRebuild, op_arguments, own_written
 from .upstream import Upstream, name_the_op
 from .watch import Watch
 
@@ -96,7 +96,7 @@ class Dispatcher:
                 return True
             sites = self._sites
             if not sites:
-                sites = self._make_sites(wrapt, fallback_ok)
+                sites = _make_sites(self, wrapt, fallback_ok)
                 if not sites:
                     return False
                 for site in sites:
@@ -111,43 +111,6 @@ class Dispatcher:
             if self._sites is sites:
                 self.observing = True
         return True
-
-    def _make_sites(self, wrapt: Any, fallback_ok: bool) -> list[_sites.Site]:
-        cls = self._resolved.fake_mode_cls
-        name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
-        original = cls.__dict__.get(name)
-        if not callable(original):
-            return []
-        sites = [
-            _sites.Site(
-                cls,
-                name,
-                wrapt.FunctionWrapper(original, self.dispatch),
-                original,
-                registry=_sites.user_modes,
-                lost="in-place updates of real tensors inside the mode are not watched",
-            )
-        ]
-        sites += method_sites(
-            self._resolved, self.settings, lambda: self.observing, self._armer, self._errors
-        )
-        scaler = self.born_inside.scaler_site()
-        if scaler is not None:
-            sites.append(scaler)
-        module = self._resolved.fake_tensor_module
-        fallback = module.__dict__.get("run_fallback_kernel")
-        if fallback_ok and self._can_read_frames and callable(fallback):
-            sites.append(
-                _sites.Site(
-                    module,
-                    "run_fallback_kernel",
-                    wrapt.FunctionWrapper(fallback, self._fallback),
-                    fallback,
-                    registry=_sites.user_modes,
-                    lost="ops without a meta kernel keep the zeros' values",
-                )
-            )
-        return sites
 
     def set_policy(self, explicit: bool) -> None:
         """Wrapped whether or not a mode lives (write-back on)."""
@@ -196,7 +159,10 @@ class Dispatcher:
         if frame is None:
             return self._outermost(wrapped, args, kwargs, mode, func, op_facts, op_args, op_kwargs)
         written = op_facts.writes(op_args, op_kwargs, self.settings.fast)  # BatchNorm's too
+        if written:  # lent values it writes copied first; no conversion lends meanwhile
+            own_written(written, op_args, op_kwargs)
         frame.depth += 1
+        frame.writing += bool(written)
         try:
             if written:
                 # the watch first: it reads the written values' places before the shadow
@@ -215,6 +181,7 @@ class Dispatcher:
             return self._call(wrapped, args, kwargs, mode, func, op, op_facts)
         finally:
             frame.depth -= 1
+            frame.writing -= bool(written)
 
     def _outermost(
         self,
@@ -230,6 +197,8 @@ class Dispatcher:
         frame = Frame(mode, (op_args, op_kwargs), func)
         written = op_facts.writes(op_args, op_kwargs, self.settings.fast)
         if written:
+            own_written(written, op_args, op_kwargs)  # raises: the op must not run
+            frame.writing = 1
             self._guarded(self.watch.enter, frame, written)
         held = trace.hold() if trace.file_sink_on else None  # the op's lines: one write
         stack = self.frames.stack
@@ -301,3 +270,43 @@ class Dispatcher:
             method(*args)
         except Exception as exc:  # never break the host's fake computation
             self._errors.internal_error("dispatch", exc)
+
+
+def _make_sites(self: Dispatcher, wrapt: Any, fallback_ok: bool) -> list[_sites.Site]:
+    """The dispatch wrapper's sites: ``FakeTensorMode.dispatch``, the methods, the scaler,
+    ``run_fallback_kernel``."""
+    cls = self._resolved.fake_mode_cls
+    name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
+    original = cls.__dict__.get(name)
+    if not callable(original):
+        return []
+    sites = [
+        _sites.Site(
+            cls,
+            name,
+            wrapt.FunctionWrapper(original, self.dispatch),
+            original,
+            registry=_sites.user_modes,
+            lost="in-place updates of real tensors inside the mode are not watched",
+        )
+    ]
+    sites += method_sites(
+        self._resolved, self.settings, lambda: self.observing, self._armer, self._errors
+    )
+    scaler = self.born_inside.scaler_site()
+    if scaler is not None:
+        sites.append(scaler)
+    module = self._resolved.fake_tensor_module
+    fallback = module.__dict__.get("run_fallback_kernel")
+    if fallback_ok and self._can_read_frames and callable(fallback):
+        sites.append(
+            _sites.Site(
+                module,
+                "run_fallback_kernel",
+                wrapt.FunctionWrapper(fallback, self._fallback),
+                fallback,
+                registry=_sites.user_modes,
+                lost="ops without a meta kernel keep the zeros' values",
+            )
+        )
+    return sites

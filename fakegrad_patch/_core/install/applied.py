@@ -11,11 +11,13 @@ settings, and takes everything off again at ``uninstall()``.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import wrapt
 
 from ... import _config, trace
+from ..convert import lending as _lending
 from ..state import warn_once
 from ..touchpoints.targets import FROM_REAL_TENSOR
 from .first_need import FirstNeed
@@ -132,6 +134,7 @@ class Applied:
         self._wrapper: Any = cls.__dict__[_ATTR]
         self._original: Any = self._wrapper.__wrapped__
 
+        self._lending_site = _lend(self.resolved, self.dispatch.watch.owned)
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
         self._mismatch_wrapper: Any = None
         error_cls = _targets.resolve_optional(_targets.METADATA_MISMATCH_ERROR)
@@ -192,6 +195,7 @@ class Applied:
         try:
             self.dispatch.settings.repair = settings.propagation != "upstream"
             self.dispatch.settings.fast = settings.propagation == "fast"
+            _lending.set_enabled(self.active and settings.propagation != "upstream" and not want)
             self.values.plain_policy = settings.on_missing_explicit
             if self.active:
                 self.backward_site.set_policy(settings.on_missing_explicit or self._always)
@@ -245,6 +249,9 @@ class Applied:
         except Exception as exc:  # never break the host
             self.internal_error("uninstall", exc)
         self._unwrap(self._cls, _ATTR, self._wrapper, self._original, self._had_own_attr)
+        _lending.set_enabled(False)  # every lent value owned: the write checks leave with us
+        if self._lending_site is not None:
+            self._unwrap(*self._lending_site)
         self.backward_site.close()
         if self._mode_init_wrapper is not None:
             self._unwrap(
@@ -293,3 +300,23 @@ def _recorded_leaves(records: Any, resolved: Any) -> list[Any]:
             if root.requires_grad and not is_fake(root):
                 out.append(root)
     return out
+
+
+def _lend(resolved: Any, owned: Any) -> tuple[Any, str, Any, Any, bool] | None:
+    """Lending (convert/lending.py) where the build's primitives work: probed, the stand-ins told
+    of owned values (``owned``), upstream's storage clone wrapped where it has one (2.14+).
+    Returns what ``uninstall()`` unwraps, or None."""
+    from ..touchpoints import targets as _targets
+
+    construct = _targets.resolve_optional(_targets.CONSTRUCT_STORAGE)
+    swap = _targets.resolve_optional(_targets.SWAP_STORAGE_DATA)
+    if not _lending.configure(construct, swap, resolved.no_dispatch):
+        return None
+    _lending.set_on_owned(owned)
+    clone = _targets.resolve_optional(_targets.CLONE_REAL_STORAGE)
+    if clone is None:
+        return None
+    module = importlib.import_module(_targets.CLONE_REAL_STORAGE.module)
+    attr = _targets.CLONE_REAL_STORAGE.qualname
+    wrapt.wrap_function_wrapper(module, attr, _lending.clone_real_storage)
+    return module, attr, module.__dict__[attr], clone, True

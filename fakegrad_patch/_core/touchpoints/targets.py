@@ -161,6 +161,43 @@ TENSOR_USE_COUNT = Target(
     "zero-copy set path: AccumulateGrad's stealable test",
 )
 
+#: CALLED, OPTIONAL (three together). Lending a parameter's values to its fakes without a copy
+#: (issue 46, _core/convert/lending.py): a storage over the parameter's bytes that does not own
+#: them (``_construct_storage_from_data_pointer``, what cudagraph trees use), and the swap of two
+#: storages' data (``StorageBase._swap_data_ptr_``: every tensor over the storage follows, so the
+#: first write to any fake over it copies once, for all of them). WRAPPED: upstream's copy of a
+#: converted tensor's storage when the mode propagates (``meta_utils.
+#: _clone_real_storage_from_tensor``, 2.14+; on 2.13 the D2 repair lends instead of copying).
+#: Checked on 2.13.0 (no clone function: the repair lends), 2.14.1, 2.15.0; 2.4.0 has no swap:
+#: nothing is lent, every value is copied as before. Probed at installation (lend, own, the
+#: lender untouched).
+CONSTRUCT_STORAGE = Target(
+    "torch._C",
+    "_construct_storage_from_data_pointer",
+    "lend a parameter's values to its fakes: a storage over its bytes that does not own them",
+    optional=True,
+)
+SWAP_STORAGE_DATA = Target(
+    "torch._C",
+    "StorageBase._swap_data_ptr_",
+    "copy lent values at the first write: every tensor over the storage follows",
+    optional=True,
+)
+CLONE_REAL_STORAGE = Target(
+    "torch._subclasses.meta_utils",
+    "_clone_real_storage_from_tensor",
+    "wrapped: a converted parameter's storage is lent, not copied (2.14+)",
+    optional=True,
+)
+
+
+def storage_key(storage: Any) -> int:
+    """READ (lending, records): a storage's identity while it lives, the address of its
+    StorageImpl (``UntypedStorage._cdata``; storages are PyObject-preserved, so one StorageImpl
+    has one Python object). Checked on 2.4.0, 2.13.0, 2.14.1, 2.15.0."""
+    return int(storage._cdata)
+
+
 #: CALLED, OPTIONAL. torch's own "is this a fake tensor" test (2.14+: also true for the coming C++
 #: FakeTensor, which an ``isinstance(x, FakeTensor)`` test would not see). Fallback: isinstance.
 IS_FAKE_TENSOR = Target(
