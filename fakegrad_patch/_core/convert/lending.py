@@ -175,10 +175,10 @@ def set_on_owned(callback: Callable[[int, int], None] | None) -> None:
 
 
 def lendable(t: Any) -> bool:
-    """Whether ``t``'s values may be lent to its fake (see the module docstring)."""
+    """Whether ``t``'s values may be lent to its fake, lending being on (see the module
+    docstring)."""
     return (
-        _State.enabled
-        and type(t) in _PLAIN
+        type(t) in _PLAIN
         and t.requires_grad
         and t.layout == torch.strided
         and t.device.type == "cpu"  # CUDA: not yet run on a GPU (streams; issue 47)
@@ -211,9 +211,14 @@ def _forget(key: int, lender_key: int) -> None:
                 del _by_lender[lender_key]
 
 
+def _alias(lender: Any) -> Any:
+    """A storage over ``lender``'s bytes that does not own them."""
+    return _State.construct(lender.data_ptr(), lender.device, lender.nbytes())
+
+
 def lend(lender: Any) -> Any:
     """A storage over ``lender``'s bytes that does not own them, registered."""
-    lent = _State.construct(lender.data_ptr(), lender.device, lender.nbytes())
+    lent = _alias(lender)
     _register(lent, lender)
     return lent
 
@@ -223,8 +228,7 @@ def lend_into(storage: Any, lender: Any) -> bool:
     bytes in place of its own (2.6-2.13: instead of the D2 repair's copy)."""
     if storage.nbytes() != lender.nbytes() or storage.device != lender.device:
         return False
-    alias = _State.construct(lender.data_ptr(), lender.device, lender.nbytes())
-    _State.swap(storage, alias)  # ``alias`` now owns the fresh bytes, freed with it
+    _State.swap(storage, _alias(lender))  # the alias takes the fresh bytes, freed with it
     _register(storage, lender)
     return True
 

@@ -106,12 +106,18 @@ def _lent(real: Any, values: Any, source: Any, reason: str, may_lend: bool) -> s
         and real.stride() == values.stride()
         and _lending.lend_into(storage, values.untyped_storage())
     ):
-        if trace.enabled(trace.INFO):
-            fields = _leaves.leaf_fields(source)
-            fields["bytes"] = 0
-            trace.emit_fields("d2_repaired", trace.INFO, fields, owned=True)
+        _trace_values(reason, source, 0)
         return None
     return reason
+
+
+def _trace_values(reason: str, source: Any, nbytes: int) -> None:
+    """``d2_repaired`` or ``propagated_values_resynced`` for ``source`` (``nbytes`` copied)."""
+    if trace.enabled(trace.INFO):
+        event = "d2_repaired" if reason == "d2" else "propagated_values_resynced"
+        fields = _leaves.leaf_fields(source)
+        fields["bytes"] = nbytes
+        trace.emit_fields(event, trace.INFO, fields, owned=True)
 
 
 def _bits_on_values(resolved: Resolved, fake: Any, t: Any) -> None:
@@ -327,9 +333,10 @@ class Values:
             reason = "stale"
         if (reason is not None and _lending.any_lent()) or (may_lend and reason == "d2"):
             reason = _lent(real, values, source, reason, may_lend)
+            data = real.untyped_storage().data_ptr()  # moved where values were lent or owned
         if reason is not None:
             self._copy_values(real, values, source, reason)
-        table.set(root, (weakref.ref(fake_root), real.untyped_storage().data_ptr(), version))
+        table.set(root, (weakref.ref(fake_root), data, version))
         if not foreign:
             _records.note_copy(root, real)
 
@@ -352,11 +359,7 @@ class Values:
             else:
                 real.copy_(values.detach())
                 nbytes = real.numel() * real.element_size()
-        if trace.enabled(trace.INFO):
-            event = "d2_repaired" if reason == "d2" else "propagated_values_resynced"
-            fields = _leaves.leaf_fields(source)
-            fields["bytes"] = nbytes
-            trace.emit_fields(event, trace.INFO, fields, owned=True)
+        _trace_values(reason, source, nbytes)
 
     # -- managed gradients -----------------------------------------------------------------------
 
