@@ -20,10 +20,12 @@ from typing import Any
 import pytest
 import torch
 from _helpers import assert_real_grads_equal, fake_mode
+from test_trace import check_schema
 
 import fakegrad_patch
 from fakegrad_patch._core.convert import lending
 from fakegrad_patch._core.dispatch import standins
+from fakegrad_patch.trace import _reader as _trace_reader
 
 pytestmark = pytest.mark.usefixtures("propagate", "quiet")
 
@@ -369,23 +371,80 @@ def test_a_gradient_over_lent_values_is_copied_not_adopted(lend: bool) -> None:
     assert p1.grad.data_ptr() != p2.data_ptr()
 
 
+#: the public methods that free or move a tensor's bytes, as Python calls them (seen: guarded)
+FREES: dict[str, Callable[[torch.nn.Parameter], Any]] = {
+    "storage.resize_(0)": lambda p: p.untyped_storage().resize_(0),
+    "storage.resize_(grow)": lambda p: p.untyped_storage().resize_(1 << 20),
+    "tensor.resize_": lambda p: p.data.resize_(1 << 18),
+    "tensor.resize_as_": lambda p: p.data.resize_as_(torch.empty(512, 512)),
+    "tensor.set_(storage, grown)": lambda p: p.data.set_(p.untyped_storage(), 0, (512, 512)),
+    "other.set_(tensor, grown)": lambda p: torch.empty(0).set_(p.data, 0, (512, 512)),
+    "typed_storage._resize_": lambda p: p.data._typed_storage()._resize_(1 << 18),
+    "tensor.share_memory_": lambda p: p.share_memory_(),
+    "storage._share_fd_cpu_": lambda p: p.untyped_storage()._share_fd_cpu_(),
+    "storage._share_filename_cpu_": lambda p: p.untyped_storage()._share_filename_cpu_(),
+}
+
+
 @needs_primitives
-@pytest.mark.parametrize("how", ["storage.resize_(0)", "storage.resize_(grow)", "tensor.resize_"])
+@pytest.mark.parametrize("how", list(FREES))
 def test_a_parameter_whose_bytes_are_freed_leaves_its_fakes_their_values(how: str) -> None:
     """FSDP frees an unsharded parameter's storage after its forward (``resize_(0)``) and gathers
-    it again for backward: the lent values are copied first, so the fakes keep theirs (the
-    FSDP2 test in tests/test_distributed.py is the whole program)."""
+    it again for backward; ``set_`` grows the storage it is given; sharing moves the bytes into
+    shared memory: the lent values are copied first, so the fakes keep theirs (the FSDP2 test in
+    tests/test_distributed.py is the whole program)."""
     p = torch.nn.Parameter(torch.randn(4, 3))
     before = p.detach().clone()
     with fake_mode():
         view = p.t()
     assert _lent(view)
-    with torch.no_grad():
-        if how == "storage.resize_(0)":
-            p.untyped_storage().resize_(0)
-        elif how == "storage.resize_(grow)":
-            p.untyped_storage().resize_(1 << 20)
-        else:
-            p.data.resize_(1 << 18)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fakegrad_patch.FakeGradPatchWarning)
+        with torch.no_grad():
+            FREES[how](p)
     assert not _lent(view)
     assert torch.equal(view.real_tensor, before.t())
+
+
+#: C++ callers that grow a parameter's storage (not seen when they do it: found afterwards)
+UNSEEN_FREES: dict[str, Callable[[torch.nn.Parameter], Any]] = {
+    "out= kernel": lambda p: torch.mm(torch.randn(512, 4), torch.randn(4, 512), out=p.data),
+    "aten.resize_": lambda p: torch.ops.aten.resize_.default(p.data, (512, 512)),
+    "torch.resize_as_": lambda p: torch.resize_as_(p.data, torch.empty(512, 512)),
+}
+
+
+@needs_primitives
+@pytest.mark.parametrize("how", list(UNSEEN_FREES))
+def test_bytes_freed_by_a_cpp_caller_are_never_read_and_reported(lend: bool, how: str) -> None:
+    """A C++ caller grows the parameter's storage while a saved fake reads its bytes: a copied
+    fake keeps the old values; a lent one cannot (freed), so before the backward reads them it
+    gets NaN and the patch says so (trace event and one warning), never freed memory."""
+    from fakegrad_patch import trace
+
+    trace.set_level(trace.WARNING)
+    trace.clear()
+    fakegrad_patch._core.state.WARNED.discard("lent_values_lost")
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    x = torch.randn(2, 3, requires_grad=True)
+    expected = torch.autograd.grad(torch.nn.functional.linear(x, p.detach()).sin().sum(), x)[0]
+    with fake_mode():
+        y = torch.nn.functional.linear(x, p).sin().sum()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            UNSEEN_FREES[how](p)
+        y.backward()
+    lost = [e for e in trace.events() if e["event"] == "lent_values_lost"]
+    said = [w for w in seen if "resized or moved" in str(w.message)]
+    if lend:
+        assert len(lost) == 1 and lost[0]["bytes"] == 48
+        check_schema(lost[0])
+        assert len(said) == 1
+        assert x.grad is not None and bool(x.grad.isnan().all())
+        summary = _trace_reader.Summary()
+        summary.add(lost[0])
+        assert [p["kind"] for p in summary.problems()] == ["lent_values_lost"]
+    else:
+        assert lost == [] and said == []
+        assert x.grad is not None and torch.equal(x.grad, expected)

@@ -65,6 +65,7 @@ SCHEMA: dict[str, tuple[str, set[str]]] = {
     "buffer_written_back": ("info", ENVELOPE | LEAF_KEYS | {"bytes", "via"}),
     "buffer_not_written_back": ("warning", ENVELOPE | LEAF_KEYS | {"reason"}),
     "update_lost": ("warning", ENVELOPE | LEAF_KEYS | {"kind", "op", "bytes", "fix"}),
+    "lent_values_lost": ("warning", ENVELOPE | {"bytes"}),
     "optimizer_state_materialized": ("info", ENVELOPE | LEAF_KEYS | {"key", "bytes"}),
     "write_back_enabled": ("info", ENVELOPE),
     "write_back_disabled": ("info", ENVELOPE | {"unaliased"}),

@@ -90,6 +90,8 @@ KNOWN_EVENTS = frozenset(
         # in-place updates of real tensors inside the mode
         "update_lost",
         "optimizer_state_materialized",
+        # lending: a parameter's bytes freed under its fakes by a caller the patch did not see
+        "lent_values_lost",
     }
 )
 ACTIONS = ("set", "accumulate", "drop", "error", "keep")
@@ -209,6 +211,8 @@ class Process:
     buffers_not_written: int = 0
     #: in-place updates of real tensors that reached only a fake copy: (kind, op) -> count
     updates_lost: Counter[str] = field(default_factory=Counter)
+    #: fakes whose lent values were freed under them (lending): how many storages
+    values_lost: int = 0
     optimizer_states: int = 0
     #: ops whose outputs were made from the real kernel's; values repaired
     rebuilt: int = 0
@@ -366,6 +370,8 @@ class Summary:
             name = record.get("name")
             what = f"{record.get('kind')} {name}" if name else str(record.get("kind"))
             _tally(proc.updates_lost, f"{what} ({record.get('op')})")
+        elif event == "lent_values_lost":
+            proc.values_lost += 1
         elif event == "optimizer_state_materialized":
             proc.optimizer_states += 1
         elif event == "propagation_rebuilt":
@@ -430,6 +436,16 @@ class Summary:
                 }
                 for what, n in proc.updates_lost.items()
             ]
+            if proc.values_lost:
+                out.append(
+                    {
+                        "kind": "lent_values_lost",
+                        "pid": pid,
+                        "count": proc.values_lost,
+                        "detail": "a parameter's storage was resized or moved by a C++ caller "
+                        "while fakes read its bytes: their values became NaN",
+                    }
+                )
         for pid, proc in self.processes.items():
             out += [
                 {

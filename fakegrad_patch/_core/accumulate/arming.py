@@ -53,6 +53,7 @@ import wrapt
 
 from ... import _config, trace
 from ..convert import leaves as _leaves
+from ..convert import lending as _lending
 from ..touchpoints.probes import bypassed
 from ..touchpoints.targets import Resolved
 from ..typing import BackwardScopes, InternalErrors, ModeTrust, RetainedArmer
@@ -184,6 +185,8 @@ class Arming:
             return None  # probe D1: this torch writes real gradients itself
         for mode in modes:
             self._trust.check_mode(mode)
+        # saved fakes over a parameter's bytes that a C++ caller freed since: NaN, reported
+        _lending.check()
         span = _profiling.begin(_profiling.ARM)  # None unless a profiler records
         try:
             pairs, keep = self.collect(roots)

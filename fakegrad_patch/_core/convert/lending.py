@@ -37,6 +37,9 @@ from typing import Any
 
 import torch
 
+from ... import trace
+from ..state import warn_once
+from ..touchpoints.targets import LENDING_GUARDS
 from ..touchpoints.targets import storage_key as _key
 
 #: what may be lent: plain tensors and parameters (dispatch.tensors' PLAIN_TYPES; no subclass)
@@ -107,12 +110,16 @@ def set_enabled(on: bool) -> None:
 
 # -- a lender's bytes are never freed under a loan -----------------------------------------------
 #
-# The lent storage holds the lender's storage, not its bytes: resizing the lender frees or moves
-# them (FSDP frees an unsharded parameter's storage with ``untyped_storage().resize_(0)`` after
-# its forward and gathers it again for backward). While lending is on, ``UntypedStorage.resize_``
-# and ``Tensor.resize_`` (public methods, as Python calls them) first give every storage lent from
-# the one being resized its own values; C++ callers that grow a parameter's storage (an ``out=``
-# kernel writing a parameter outside the mode) are not seen (docs/how-it-works.md, "Lending").
+# The lent storage holds the lender's storage, not its bytes: resizing the lender, or moving its
+# bytes, frees them (FSDP frees an unsharded parameter's storage with
+# ``untyped_storage().resize_(0)`` after its forward and gathers it again for backward;
+# ``share_memory_`` moves them into shared memory). While lending is on, the public methods that
+# do so, as Python calls them, first give every storage lent from the one concerned its own
+# values: ``Tensor.resize_``, ``resize_as_``, ``set_`` (which grows the storage it is given),
+# ``UntypedStorage.resize_`` and the two sharing methods every sharing path calls. A C++ caller
+# (an ``out=`` kernel growing a parameter outside the mode) is not seen: :func:`check` finds the
+# moved bytes afterwards, at the next backward of a propagating graph or the next write, and
+# reports them (docs/how-it-works.md, "Lending").
 
 
 def _own_loans_of(storage: Any) -> None:
@@ -126,44 +133,72 @@ def _own_loans_of(storage: Any) -> None:
             own(lent)
 
 
-def _storage_resize(original: Any) -> Any:
-    def resize_(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _own_loans_of_tensor(t: Any) -> None:
+    try:
+        if t.layout != torch.strided or t.device.type != "cpu":
+            return
+        storage = t.untyped_storage()
+    except Exception:  # a tensor without storage (functional, nested): lends nothing
+        return
+    _own_loans_of(storage)
+
+
+def _storage_self(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    _own_loans_of(self)
+
+
+def _tensor_self(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    _own_loans_of_tensor(self)
+
+
+def _tensor_source(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """``Tensor.set_(source, ...)`` grows ``source`` (a storage or a tensor's) to the size given."""
+    _own_loans_of_tensor(self)
+    source = args[0] if args else kwargs.get("source")
+    if isinstance(source, torch.Tensor):
+        _own_loans_of_tensor(source)
+    elif isinstance(source, torch.TypedStorage):
+        _own_loans_of(source.untyped())
+    elif isinstance(source, torch.UntypedStorage):
+        _own_loans_of(source)
+
+
+_BEFORE = {
+    ("UntypedStorage", "self"): _storage_self,
+    ("Tensor", "self"): _tensor_self,
+    ("Tensor", "source"): _tensor_source,
+}
+
+
+def _guarded(original: Any, before: Callable[[Any, tuple[Any, ...], dict[str, Any]], None]) -> Any:
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _by_lender:
-            _own_loans_of(self)
+            before(self, args, kwargs)
         return original(self, *args, **kwargs)
 
-    resize_.__wrapped__ = original  # type: ignore[attr-defined]
-    return resize_
-
-
-def _tensor_resize(original: Any) -> Any:
-    def resize_(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _by_lender and self.layout == torch.strided and self.device.type == "cpu":
-            _own_loans_of(self.untyped_storage())
-        return original(self, *args, **kwargs)
-
-    resize_.__wrapped__ = original  # type: ignore[attr-defined]
-    return resize_
-
-
-_GUARDS = ((torch.UntypedStorage, _storage_resize), (torch.Tensor, _tensor_resize))
+    guarded.__wrapped__ = original  # type: ignore[attr-defined]
+    guarded.__name__ = getattr(original, "__name__", "guarded")
+    guarded._fakegrad_lending = True  # type: ignore[attr-defined]
+    return guarded
 
 
 def _guard(on: bool) -> None:
-    """Put the resize guards in place (``on``) or take them off, where they are ours."""
-    for owner, make in _GUARDS:
-        current: Any = owner.__dict__.get("resize_")
-        original = getattr(current, "__wrapped__", None)
-        ours = original is not None and getattr(current, "__qualname__", "").startswith(
-            make.__name__
-        )
+    """Put the guards (targets.LENDING_GUARDS) in place (``on``) or take them off, where they
+    are ours."""
+    for owner_name, attr, frees in LENDING_GUARDS:
+        owner: Any = getattr(torch, owner_name)
+        if not hasattr(owner, attr):
+            continue
+        current: Any = owner.__dict__.get(attr)
+        ours = getattr(current, "_fakegrad_lending", False)
         if on and not ours:
-            setattr(owner, "resize_", make(owner.resize_))  # noqa: B010
+            setattr(owner, attr, _guarded(getattr(owner, attr), _BEFORE[owner_name, frees]))
         elif not on and ours:
-            if original is getattr(owner.__mro__[1], "resize_", None):
-                delattr(owner, "resize_")
+            original = current.__wrapped__
+            if original is getattr(owner.__mro__[1], attr, None):
+                delattr(owner, attr)
             else:
-                setattr(owner, "resize_", original)  # noqa: B010
+                setattr(owner, attr, original)
 
 
 def enabled() -> bool:
@@ -298,14 +333,51 @@ def own(storage: Any) -> None:
         if loan[2]:
             return
         old = storage.data_ptr()
+        lost = loan[0].data_ptr() != loan[1]
         with _State.no_dispatch(), torch.no_grad():
-            copy = storage.clone()
+            if lost:  # the lent bytes were freed under the loan: never read them
+                copy = torch.full((storage.nbytes(),), 255, dtype=torch.uint8).untyped_storage()
+            else:
+                copy = storage.clone()
         _State.swap(storage, copy)  # ``copy`` now holds the alias (not owning), dies here
         loan[2] = True
         new = storage.data_ptr()
+    if lost:
+        _report_lost(storage.nbytes())
     callback = _State.on_owned
     if callback is not None:
         callback(old, new)
+
+
+def check() -> None:
+    """Loans whose lender's bytes moved under them since they were lent (a C++ caller resized
+    the parameter: an ``out=`` kernel outside the mode): the fakes over them get values with
+    every bit set (NaN in every floating dtype) in place of freed memory, reported. Called
+    before a backward of a propagating graph reads what its fakes saved, and by every write."""
+    if not _loans:
+        return
+    for loan in list(_loans.values()):
+        if not loan[2] and loan[0].data_ptr() != loan[1]:
+            lent = loan[3]()
+            if lent is not None:
+                own(lent)
+
+
+LOST_MESSAGE = (
+    "fakegrad_patch: a parameter's storage was resized or moved outside the mode (a C++ caller, "
+    "such as an out= kernel writing a parameter whose shape it changes) while a fake of a "
+    "propagating mode read its values; those values were freed with the old bytes and are "
+    "replaced by NaN (every bit set; by the parameter's new values where it is converted "
+    "again), so gradients that depend on them are NaN. Resize or move a "
+    "parameter's storage only after the backward of the graphs that used it, or through "
+    "Tensor.resize_ / UntypedStorage.resize_ (seen: the fakes keep their values)."
+)
+
+
+def _report_lost(nbytes: int) -> None:
+    if trace.enabled(trace.WARNING):
+        trace.emit_fields("lent_values_lost", trace.WARNING, {"bytes": nbytes}, owned=True)
+    warn_once("lent_values_lost", LOST_MESSAGE, stacklevel=4)
 
 
 def own_tensor(t: Any) -> None:

@@ -191,6 +191,24 @@ CLONE_REAL_STORAGE = Target(
 )
 
 
+#: WRAPPED while lending is on (replaced on the class, torch's own back when it is off): the
+#: methods that free or move a tensor's bytes, as Python calls them; each first gives the fakes
+#: lent from the storage concerned their own values (lending.py). ``(class, method, what it
+#: frees)``; "self": the receiver's storage, "source": also ``set_``'s first argument's, which
+#: ``set_`` grows to the size it is given. Public but for the two sharing methods (PRIVATE:
+#: ``UntypedStorage._share_fd_cpu_`` / ``_share_filename_cpu_``, which ``share_memory_`` and
+#: multiprocessing's pickling of a CPU storage both call; Python methods of ``UntypedStorage``).
+#: Checked on 2.4.0, 2.13.0, 2.14.1, 2.15.0 (a method a build lacks is left alone).
+LENDING_GUARDS: tuple[tuple[str, str, str], ...] = (
+    ("UntypedStorage", "resize_", "self"),
+    ("UntypedStorage", "_share_fd_cpu_", "self"),
+    ("UntypedStorage", "_share_filename_cpu_", "self"),
+    ("Tensor", "resize_", "self"),
+    ("Tensor", "resize_as_", "self"),
+    ("Tensor", "set_", "source"),
+)
+
+
 def storage_key(storage: Any) -> int:
     """READ (lending, records): a storage's identity while it lives, the address of its
     StorageImpl (``UntypedStorage._cdata``; storages are PyObject-preserved, so one StorageImpl
