@@ -245,12 +245,21 @@ def test_non_dense_leaves_follow_layout_contract(kind: str) -> None:
 
 def test_expanded_leaf_cannot_propagate_upstream_but_zeros_policy_obeys_contract() -> None:
     """Upstream cannot convert an expanded (stride 0) leaf with propagation on (meta_utils copies
-    into an overlapping tensor and raises), on both checked builds. Without propagation the
-    ``zeros`` policy gives a real, contiguous gradient, as AccumulateGrad would."""
+    into an overlapping tensor and raises), on every checked build: a view of it (``t()``, whose
+    base is converted) still raises. An op that only reads it reads it directly (no conversion:
+    issue 46) and gets eager's gradient. Without propagation the ``zeros`` policy gives a real,
+    contiguous gradient, as AccumulateGrad would."""
     leaf = torch.randn(4, 1).expand(4, 3).detach().requires_grad_()
     weight = torch.randn(3, 2)
     with pytest.raises(RuntimeError, match="more than one element"), fake_mode():
+        (leaf.t().t() @ weight).sum().backward()
+    with fake_mode():
         (leaf @ weight).sum().backward()
+    direct, leaf.grad = leaf.grad, None
+    (leaf @ weight).sum().backward()
+    assert is_real(direct)
+    torch.testing.assert_close(direct, leaf.grad)
+    leaf.grad = None
     import torch._functorch.config as functorch_config
 
     import fakegrad_patch

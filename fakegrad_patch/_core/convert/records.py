@@ -27,9 +27,30 @@ _records: WeakIdTable[WeakIdTable[tuple[Any, int, int]]] = WeakIdTable()
 _copies: WeakIdTable[dict[int, Any]] = WeakIdTable()
 
 
+#: converter -> {real leaf that requires grad: True}: the leaves its mode's ops read without
+#: converting them (dispatch/fast.py, direct reads); ``uninstall()`` arms them as it arms the
+#: converted ones, so a graph built while installed finishes with real gradients
+_read: WeakIdTable[WeakIdTable[bool]] = WeakIdTable()
+
+
 def records() -> Any:
     """Every live ``(converter, table)``."""
     return _records.items()
+
+
+def note_read(conv: Any, t: Any) -> None:
+    """``t`` (real, requires grad) was read directly by an op of ``conv``'s mode."""
+    table = _read.get(conv)
+    if table is None:
+        table = WeakIdTable()
+        _read.set(conv, table)
+    if t not in table:
+        table.set(t, True)
+
+
+def read_leaves() -> list[Any]:
+    """Every real tensor that requires grad a live converter's mode read directly."""
+    return [t for _conv, table in _read.items() for t, _ in table.items()]
 
 
 def table_of(conv: Any) -> WeakIdTable[tuple[Any, int, int]]:

@@ -22,8 +22,12 @@ from typing import Any
 
 import torch
 
+from ..convert import records as _records
+from ..touchpoints import sites as _sites
 from ..touchpoints import targets as _targets
 from ..touchpoints.targets import Resolved
+from .aliases import Aliases
+from .frames import Frames
 from .ops import OpFacts
 from .stats import Stats
 from .tensors import (
@@ -46,11 +50,35 @@ from .tensors import (
 NOT_FAST: Any = object()
 
 
+def _reads_directly(frames: Frames, aliases: Aliases, mode: Any, t: Any) -> bool:
+    """A real tensor without a graph (a parameter, a buffer, an input: ``grad_fn`` None), an
+    argument of an op of ``mode`` that writes nothing (the thread's frame says so: its schema's
+    writes and BatchNorm's hidden ones; write-back off): the real kernel reads it as eager reads
+    it, and no fake is made of it (issue 46). Its fake's values would be a copy or a loan of the
+    same bytes, read once by this kernel and dropped with the op: autograd, above the mode,
+    saved the real tensor itself, and an output of an op that is not a view never aliases an
+    argument. Converted as before: a view's base (its fake view aliases the base's fake), every
+    argument of an op that writes (the update must reach a copy, and be reported), a non-leaf
+    that requires grad (its retained gradient is armed at conversion), write-back's aliases."""
+    if t.grad_fn is not None or aliases.enabled:
+        return False
+    frame = frames.top()
+    return (
+        frame is not None
+        and frame.mode is mode
+        and not frame.writing
+        and t.device.type != "meta"
+        and not is_zero(t)
+    )
+
+
 class FastPath:
-    def __init__(self, resolved: Resolved, stats: Stats) -> None:
+    def __init__(self, resolved: Resolved, stats: Stats, frames: Frames, aliases: Aliases) -> None:
         self._resolved = resolved
         self._is_fake = resolved.is_fake
         self._stats = stats
+        self._frames = frames
+        self._aliases = aliases
         # optional touch points: absent on a build, the fast path stands aside
         self._from_meta = _targets.resolve_optional(_targets.FROM_META_AND_DEVICE)
         self._in_kernel = _targets.resolve_optional(_targets.IN_KERNEL_INVOCATION)
@@ -203,6 +231,11 @@ class FastPath:
             else:
                 if not convertible(mode, value):
                     return NOT_FAST
+                if _reads_directly(self._frames, self._aliases, mode, value):
+                    _sites.need_mode(mode)  # what its conversion would have said
+                    if value.requires_grad:  # uninstall() arms it, as a converted one
+                        _records.note_read(mode.fake_tensor_converter, value)
+                    return value.detach()
                 fake = convert_op_input(mode, value)
             real = getattr(fake, "real_tensor", None)
             if real is None:

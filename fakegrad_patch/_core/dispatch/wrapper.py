@@ -66,7 +66,7 @@ class Dispatcher:
         self.aliases = Aliases(resolved, self.frames, self)
         self.born_inside = BornInside(resolved, errors)
         self.watch = Watch(resolved, self.frames, self.aliases, copies)
-        self._fast = FastPath(resolved, self.stats)
+        self._fast = FastPath(resolved, self.stats, self.frames, self.aliases)
         self._upstream = Upstream(resolved, self.settings, self.stats, self._fast, mismatch)
         self._nested = Nested(resolved, self.stats, self.watch, self._upstream)
         self._refused = Refused(resolved, self.stats, self._fast)

@@ -262,6 +262,7 @@ class Applied:
             self._unwrap(self._mismatch_cls, "__init__", self._mismatch_wrapper, None, True)
         try:
             leaves = _recorded_leaves(_records.records(), self.resolved)
+            leaves += _records.read_leaves()
             if leaves and self.ready():
                 self.arming.arm_lasting(leaves)
         except Exception as exc:  # never break the host
