@@ -575,6 +575,27 @@ def test_a_fast_view_aliases_its_base_as_eager(view: str) -> None:
     torch.testing.assert_close(got, want[0] if isinstance(want, tuple | list) else want)
 
 
+@pytest.mark.parametrize("view", VIEWS)
+def test_a_fast_view_has_its_real_views_metadata_over_the_base_storage(view: str) -> None:
+    """Each fake view: the real view's sizes, strides and offset, over the fake base's storage
+    (the same storage, never grown: the fake view is made over it directly, not dispatched)."""
+    f = VIEWS[view]
+    with fake_mode():
+        base = torch.arange(24.0).view(4, 6) * 1
+        nbytes = base.untyped_storage().nbytes()
+        out = f(base)
+        for o in out if isinstance(out, tuple | list) else (out,):
+            real = o.real_tensor
+            assert (o.shape, o.stride(), o.storage_offset()) == (
+                real.shape,
+                real.stride(),
+                real.storage_offset(),
+            )
+            if o.dtype == base.dtype:
+                assert o.untyped_storage()._cdata == base.untyped_storage()._cdata
+        assert base.untyped_storage().nbytes() == nbytes
+
+
 def test_a_view_of_a_real_parameter_converts_it_as_upstream_does() -> None:
     """``w.t()`` inside the mode on a real Parameter: converted (D2 repaired where the build
     needs it, armed), and the gradient through the view is eager's."""
