@@ -314,12 +314,7 @@ def is_lent(storage: Any) -> bool:
 def lent_from(storage: Any, lender: Any) -> bool:
     """``storage`` is lent and not owned, over ``lender``'s bytes as they are now."""
     loan = _loans.get(_key(storage))
-    return (
-        loan is not None
-        and not loan[2]
-        and _key(loan[0]) == _key(lender)
-        and lender.data_ptr() == loan[1]
-    )
+    return loan is not None and not loan[2] and _key(loan[0]) == _key(lender) and not _moved(loan)
 
 
 def own(storage: Any) -> None:
@@ -333,7 +328,7 @@ def own(storage: Any) -> None:
         if loan[2]:
             return
         old = storage.data_ptr()
-        lost = loan[0].data_ptr() != loan[1]
+        lost = _moved(loan)
         with _State.no_dispatch(), torch.no_grad():
             if lost:  # the lent bytes were freed under the loan: never read them
                 copy = torch.full((storage.nbytes(),), 255, dtype=torch.uint8).untyped_storage()
@@ -349,6 +344,11 @@ def own(storage: Any) -> None:
         callback(old, new)
 
 
+def _moved(loan: list[Any]) -> bool:
+    """The lender's bytes are no longer the ones lent (freed or moved under the loan)."""
+    return bool(loan[0].data_ptr() != loan[1])
+
+
 def check() -> None:
     """Loans whose lender's bytes moved under them since they were lent (a C++ caller resized
     the parameter: an ``out=`` kernel outside the mode): the fakes over them get values with
@@ -357,7 +357,7 @@ def check() -> None:
     if not _loans:
         return
     for loan in list(_loans.values()):
-        if not loan[2] and loan[0].data_ptr() != loan[1]:
+        if not loan[2] and _moved(loan):
             lent = loan[3]()
             if lent is not None:
                 own(lent)

@@ -261,8 +261,7 @@ class Applied:
         if self._mismatch_wrapper is not None:
             self._unwrap(self._mismatch_cls, "__init__", self._mismatch_wrapper, None, True)
         try:
-            leaves = _recorded_leaves(_records.records(), self.resolved)
-            leaves += _records.read_leaves()
+            leaves = _recorded_leaves(_records.records(), _records.read_leaves(), self.resolved)
             if leaves and self.ready():
                 self.arming.arm_lasting(leaves)
         except Exception as exc:  # never break the host
@@ -291,16 +290,17 @@ class Applied:
             )
 
 
-def _recorded_leaves(records: Any, resolved: Any) -> list[Any]:
+def _recorded_leaves(records: Any, read: list[Any], resolved: Any) -> list[Any]:
     """Real tensors that require grad in the converters' records (leaves, or non-leaves whose
-    real graph leads to leaves)."""
-    out: list[Any] = []
+    real graph leads to leaves) and among those their modes read directly (``read``), each
+    once (a parameter converted for a view and read directly, or by two live modes)."""
+    out: dict[int, Any] = {}
     is_fake = resolved.is_fake
-    for _conv, table in records:
-        for root, _entry in table.items():
-            if root.requires_grad and not is_fake(root):
-                out.append(root)
-    return out
+    roots = [root for _conv, table in records for root, _entry in table.items()]
+    for t in roots + read:
+        if t.requires_grad and not is_fake(t):
+            out.setdefault(id(t), t)
+    return list(out.values())
 
 
 def _lend(resolved: Any, owned: Any) -> tuple[Any, str, Any, Any, bool] | None:
