@@ -5,7 +5,9 @@ Upstream runs every op twice in a propagating mode (its fake implementation and 
 then a cross-check), runs a decomposition's nested ops for real again, and caches nothing. Here:
 
 * an op that **makes new tensors** runs its real kernel, and each fake output is a meta tensor of
-  the real output's sizes, strides, offset, dtype and bits, on its device, holding it;
+  the real output's sizes, strides, offset, dtype and bits, on its device, holding it (made as
+  upstream's constructor makes it, without its Python where the build allows:
+  ``targets.FakeMaker``);
 * a **view** runs the real view op, and each fake view is ``as_strided`` over the aliased fake's
   own storage, inside the mode's kernel invocation: the fakes alias exactly as the real tensors;
 * an **in-place op** that changes only its first argument's values runs its real kernel on the
@@ -72,6 +74,14 @@ def _reads_directly(frames: Frames, aliases: Aliases, mode: Any, t: Any) -> bool
     )
 
 
+def _fake_maker(resolved: Resolved) -> Any:
+    """FROM_META_AND_DEVICE, made lean where the build allows (``targets.FakeMaker``)."""
+    from_meta = _targets.resolve_optional(_targets.FROM_META_AND_DEVICE)
+    if from_meta is None:
+        return None
+    return _targets.FakeMaker(from_meta, resolved.fake_tensor_cls, resolved.fake_tensor_module)
+
+
 class FastPath:
     def __init__(self, resolved: Resolved, stats: Stats, frames: Frames, aliases: Aliases) -> None:
         self._resolved = resolved
@@ -80,7 +90,7 @@ class FastPath:
         self._frames = frames
         self._aliases = aliases
         # optional touch points: absent on a build, the fast path stands aside
-        self._from_meta = _targets.resolve_optional(_targets.FROM_META_AND_DEVICE)
+        self._from_meta = _fake_maker(resolved)
         self._in_kernel = _targets.resolve_optional(_targets.IN_KERNEL_INVOCATION)
 
     # -- the three kinds ---------------------------------------------------------------------

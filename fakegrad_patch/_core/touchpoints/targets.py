@@ -467,13 +467,29 @@ DISPATCH_IMPL_REAL_OUT = Target(
 #: a FakeTensor of ``mode`` over a fresh meta tensor, on ``device`` (what
 #: ``wrap_meta_outputs_with_default_device_logic`` uses). The fake outputs made from a real
 #: kernel's outputs (sizes, strides, offset, dtype and device of the real tensor) are made with
-#: it, their ``real_tensor`` set to the real output. Same signature on 2.4.0 ... 2.15.0.
+#: it (or as it makes them: MAKE_SUBCLASS, :class:`FakeMaker`), their ``real_tensor`` set to the
+#: real output. Same signature on 2.4.0 ... 2.15.0.
 FROM_META_AND_DEVICE = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorConverter.from_meta_and_device",
     "optional: fake outputs made from a real kernel's outputs",
     optional=True,
 )
+
+#: CALLED, OPTIONAL, VERIFIED AT FIRST USE. What ``FakeTensor.__new__`` does to a fresh meta tensor
+#: (2.4.0 ... 2.15.0: ``Tensor._make_subclass(FakeTensor, meta, requires_grad,
+#: dispatch_device=True, device_for_backend_keys=device)``, the mutable-data-pointer flag per the
+#: mode's ``_allow_unsafe_data_ptr_access``, then plain attributes: the device, the mode,
+#: ``constant``, the ``*_memo`` fields, all None but the first two), without its Python (~15 µs of
+#: validation and memo descriptors per fake; ~3 µs here). :class:`FakeMaker` learns the attributes
+#: from a fake FROM_META_AND_DEVICE made for the same device and checks that its own fake has the
+#: same type, dispatch keys, device and attributes; any difference (a build that sets more, a value
+#: that is not plain, ``FakeTensorConfig.debug``'s traceback, a device without an index) and that
+#: device keeps FROM_META_AND_DEVICE. Used only for fresh meta tensors (the memo
+#: ``from_meta_and_device`` keeps for them is never looked up again) in modes without a ShapeEnv.
+MAKE_SUBCLASS = Target("torch", "Tensor._make_subclass", "optional: fakes made without __new__")
+UNSAFE_DATA_PTR_ATTR = "_allow_unsafe_data_ptr_access"
+
 
 #: CALLED, OPTIONAL. ``in_kernel_invocation_manager(fake_mode)``: the context FakeTensorMode runs
 #: meta kernels in (its fakes dispatch as meta tensors; Python dispatch off). The fast path makes
@@ -1064,6 +1080,83 @@ def _make_dispatching_op(mode_cls: type) -> Callable[[], tuple[Any, Any, Any] | 
         return local["func"], local["args"], local.get("kwargs")
 
     return dispatching_op
+
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+class FakeMaker:
+    """``make(converter, mode, meta, device)``: FROM_META_AND_DEVICE's fake for a fresh meta
+    tensor, made as MAKE_SUBCLASS says where the first fake of that device showed the same."""
+
+    def __init__(self, from_meta: Callable[..., Any], fake_cls: type, module: Any) -> None:
+        import torch
+
+        self._from_meta = from_meta
+        self._cls = fake_cls
+        self._config = getattr(module, "FakeTensorConfig", None)
+        self._subclass = resolve_optional(MAKE_SUBCLASS)
+        self._throw = getattr(torch._C, "_set_throw_on_mutable_data_ptr", None)
+        self._warn = getattr(torch._C, "_set_warn_deprecated_on_mutable_data_ptr", None)
+        self._keys = getattr(torch._C, "_dispatch_keys", None)
+        #: device -> the attributes of its fakes but the mode (None: that device's kept upstream's)
+        self._state: dict[Any, dict[str, Any] | None] = {}
+
+    def __call__(self, converter: Any, mode: Any, meta: Any, device: Any) -> Any:
+        state = self._state.get(device)
+        if state is None or self._config is None or self._config.debug:
+            return self._learn(converter, mode, meta, device)
+        return self._lean(mode, meta, device, state)
+
+    def _lean(self, mode: Any, meta: Any, device: Any, state: dict[str, Any]) -> Any:
+        fake = self._subclass(
+            self._cls,
+            meta,
+            meta.requires_grad,
+            dispatch_device=True,
+            device_for_backend_keys=device,
+        )
+        flag = self._warn if getattr(mode, UNSAFE_DATA_PTR_ATTR) else self._throw
+        flag(fake)  # type: ignore[misc]
+        attrs = fake.__dict__
+        attrs.update(state)
+        attrs["fake_mode"] = mode
+        return fake
+
+    def _learn(self, converter: Any, mode: Any, meta: Any, device: Any) -> Any:
+        fake = self._from_meta(converter, mode, meta, device)
+        if device not in self._state and (self._config is None or not self._config.debug):
+            self._state[device] = self._check(mode, fake, device)
+        return fake
+
+    def _check(self, mode: Any, fake: Any, device: Any) -> dict[str, Any] | None:
+        """The attributes of ``fake`` (upstream's) but the mode where a fake made here matches
+        it, else None (and this device keeps FROM_META_AND_DEVICE for good)."""
+        import torch
+
+        if (
+            None in (self._subclass, self._throw, self._warn, self._keys)
+            or (device.type != "cpu" and device.index is None)
+            or not hasattr(mode, UNSAFE_DATA_PTR_ATTR)
+        ):
+            return None
+        attrs = dict(fake.__dict__)
+        if attrs.pop("fake_mode", None) is not mode or attrs.get("real_tensor", 0) is not None:
+            return None
+        if not all(isinstance(v, _PLAIN) or type(v) is torch.device for v in attrs.values()):
+            return None
+        try:
+            meta = torch.empty(fake.shape, dtype=fake.dtype, device="meta")
+            lean = self._lean(mode, meta, device, attrs)
+        except Exception:
+            return None
+        same = (
+            type(lean) is type(fake)
+            and repr(self._keys(lean)) == repr(self._keys(fake))  # type: ignore[misc]
+            and lean.device == fake.device
+            and lean.__dict__ == fake.__dict__
+        )
+        return attrs if same else None
 
 
 def resolve_optional(target: Target) -> Any:
