@@ -2,15 +2,17 @@
 
 In a propagating mode the fast path runs each op's real kernel on its arguments' values. A real
 tensor without a graph (a parameter, a buffer, an input), an argument of an op that writes
-nothing, was converted to a fake only to have its values read once and dropped (autograd, above
-the mode, saved the real tensor itself: backward converted it again). Now the kernel reads it as
-eager reads it (``dispatch/fast.py``, ``_reads_directly``). The family: which arguments are read
-directly (a parameter, a plain leaf that requires grad, one with a conjugate bit, a
-non-contiguous one, inside a list, a buffer read by an eval BatchNorm, an input without grad, in
-backward's ops) and which are still converted (a view's base, an argument of an op that writes,
-a training BatchNorm's running statistics, a non-leaf that requires grad, write-back's
-aliases), each program against eager; no output aliases the tensor read; a mode whose only
-contact with real tensors is such reads still writes real gradients.
+nothing (or writes only other real tensors: BatchNorm's running statistics), was converted to a
+fake only to have its values read once and dropped (autograd, above the mode, saved the real
+tensor itself: backward converted it again). Now the kernel reads it as eager reads it
+(``dispatch/fast.py``, ``_reads_directly``). The family: which arguments are read directly (a
+parameter, a plain leaf that requires grad, one with a conjugate bit, a non-contiguous one,
+inside a list, a buffer read by an eval BatchNorm, an input without grad, in backward's ops, a
+training BatchNorm's weight and bias) and which are still converted (a view's base, an argument
+of an op that writes a fake, a training BatchNorm's running statistics and a tensor over their
+storage, a non-leaf that requires grad, write-back's aliases), each program against eager; no
+output aliases the tensor read; a mode whose only contact with real tensors is such reads still
+writes real gradients.
 """
 
 from __future__ import annotations
@@ -218,16 +220,64 @@ def test_a_non_leaf_that_requires_grad_is_converted(mode: Any) -> None:
 
 
 def test_training_batch_norm_converts_its_running_statistics(mode: Any) -> None:
-    """BatchNorm's kernel writes its running statistics (a hidden write): the op writes, so
-    every argument is converted and the update reported lost, as before; its weight too."""
+    """BatchNorm's kernel writes its running statistics (a hidden write of real buffers):
+    those are converted, the update reaches the copies and is reported lost, as before; the
+    weight, bias and input it only reads are read directly (the op writes real tensors only,
+    none over their storages). Values and gradients are eager's."""
+    from fakegrad_patch import trace
+
     m, conversions = mode
+    torch.manual_seed(0)
     bn = torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-1, 1)
+    eager = torch.nn.BatchNorm1d(3)
+    eager.load_state_dict(bn.state_dict())
     before = bn.running_mean.clone()
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+    out_e = eager(x)
+    out_e.square().sum().backward()
+    trace.set_level(trace.WARNING)
+    trace.clear()
     with m:
-        bn(torch.randn(4, 3)).sum().backward()
+        out = bn(x)
+        out.square().sum().backward()
     assert conversions.of(bn.running_mean) >= 1
-    assert conversions.of(bn.weight) >= 1
+    assert conversions.of(bn.running_var) >= 1
+    assert conversions.of(bn.weight) == 0 or UNPATCHED
+    assert conversions.of(bn.bias) == 0 or UNPATCHED
+    assert conversions.of(x) == 0 or UNPATCHED
     assert torch.equal(bn.running_mean, before) or UNPATCHED
+    lost = [e for e in trace.events() if e["event"] == "update_lost"]
+    assert lost or UNPATCHED
+    torch.testing.assert_close(out.real_tensor, out_e.detach())
+    torch.testing.assert_close(bn.weight.grad, eager.weight.grad)
+    torch.testing.assert_close(bn.bias.grad, eager.bias.grad)
+
+
+def test_a_tensor_over_a_written_storage_is_converted(mode: Any) -> None:
+    """The op writes a real tensor and reads another over the same storage (BatchNorm's weight
+    is its running mean): the read is converted too, so the kernel reads the copy it writes,
+    as eager's reads the buffer it writes (the CPU kernel updates the running mean, then
+    scales by the weight). Read directly, it would read the values before the update."""
+    m, conversions = mode
+    stats = torch.randn(2, 3).abs()
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(3))
+
+    def program(stats: torch.Tensor, x: torch.Tensor) -> Any:
+        mean, var = stats[0], stats[1]  # real views of one storage, made outside the mode
+        return mean, lambda: torch.nn.functional.batch_norm(
+            x, mean, var, weight=mean, training=True
+        )
+
+    expected = program(stats.clone(), x)[1]()
+    mean, run = program(stats.clone(), x)
+    with m:
+        out = run()
+    assert conversions.of(mean) == 2 or UNPATCHED  # the running mean and the weight
+    assert conversions.of(x) == 0 or UNPATCHED
+    torch.testing.assert_close(out.real_tensor, expected)
 
 
 def test_write_back_converts_every_argument() -> None:

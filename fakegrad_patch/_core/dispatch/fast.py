@@ -53,25 +53,28 @@ NOT_FAST: Any = object()
 
 
 def _reads_directly(frames: Frames, aliases: Aliases, mode: Any, t: Any) -> bool:
-    """A real tensor without a graph (a parameter, a buffer, an input: ``grad_fn`` None), an
-    argument of an op of ``mode`` that writes nothing (the thread's frame says so: its schema's
-    writes and BatchNorm's hidden ones; write-back off): the real kernel reads it as eager reads
-    it, and no fake is made of it (issue 46). Its fake's values would be a copy or a loan of the
-    same bytes, read once by this kernel and dropped with the op: autograd, above the mode,
-    saved the real tensor itself, and an output of an op that is not a view never aliases an
-    argument. Converted as before: a view's base (its fake view aliases the base's fake), every
-    argument of an op that writes (the update must reach a copy, and be reported), a non-leaf
-    that requires grad (its retained gradient is armed at conversion), write-back's aliases."""
+    """A real tensor without a graph (a parameter, a buffer, an input: ``grad_fn`` None) that an
+    op of ``mode`` only reads: the real kernel reads it as eager reads it, and no fake is made
+    of it (issue 46). Its fake's values would be a copy or a loan of the same bytes, read once by
+    this kernel and dropped with the op: autograd, above the mode, saved the real tensor itself,
+    and an output of an op that is not a view never aliases an argument. "Only reads": the
+    thread's frame says the op writes nothing (its schema's writes and BatchNorm's hidden ones),
+    or that the outermost op alone writes, only real tensors, none over ``t``'s storage
+    (training BatchNorm's running statistics: its weight, bias and input are read directly).
+    Converted as before: a view's base (its fake view aliases the base's fake), the arguments
+    of an op that writes a fake or has nested ops writing (the update must reach a copy, and be
+    reported), a non-leaf that requires grad (its retained gradient is armed at conversion),
+    write-back's aliases."""
     if t.grad_fn is not None or aliases.enabled:
         return False
     frame = frames.top()
-    return (
-        frame is not None
-        and frame.mode is mode
-        and not frame.writing
-        and t.device.type != "meta"
-        and not is_zero(t)
-    )
+    if frame is None or frame.mode is not mode:
+        return False
+    if frame.writing:
+        writes = frame.real_writes
+        if writes is None or frame.writing != 1 or frame.depth or storage_ptr(t) in writes:
+            return False
+    return t.device.type != "meta" and not is_zero(t)
 
 
 def _fake_maker(resolved: Resolved) -> Any:

@@ -29,6 +29,7 @@ class Frame:
         "param_swaps",
         "real_ok",
         "real_out",
+        "real_writes",
         "scanned",
         "swaps",
         "writing",
@@ -50,6 +51,9 @@ class Frame:
         #: how many of the ops running in this frame (the outermost, nested ones) write
         #: arguments: no conversion lends values then (convert/lending.py)
         self.writing = 0
+        #: storage data pointers of the real tensors the outermost op writes, where it writes
+        #: only real tensors (BatchNorm's running statistics); None otherwise
+        self.real_writes: frozenset[int] | None = None
         #: storage data pointer -> the real tensor over it, for every argument of the op whose
         #: fake aliases a real tensor
         self.aliased: dict[int, Any] = {}

@@ -162,6 +162,20 @@ def written_tensors(written: Any, op_args: Any, op_kwargs: Any) -> list[Any]:
     )
 
 
+def real_write_ptrs(
+    written: Any, op_args: Any, op_kwargs: Any, is_fake: Any
+) -> frozenset[int] | None:
+    """The storage data pointers of the tensors ``written`` names, where all are real and
+    strided; None where one is a fake (its values may be a real tensor's, lent or copied)."""
+    ptrs = set()
+    for t in written_tensors(written, op_args, op_kwargs):
+        ptr = None if is_fake(t) else storage_ptr(t)
+        if ptr is None:
+            return None
+        ptrs.add(ptr)
+    return frozenset(ptrs)
+
+
 def has_fake(op: Any, is_fake: Any) -> bool:
     return any(is_fake(t) for t in tensors_in((*op[0], *op[1].values())))
 

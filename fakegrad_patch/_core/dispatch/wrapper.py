@@ -36,7 +36,7 @@ from .objects import BornInside
 from .ops import Kind, facts
 from .refused import Converted, Refused
 from .stats import Settings, Stats
-from .tensors import CannotRebuild, op_arguments, own_written
+from .tensors import CannotRebuild, op_arguments, own_written, real_write_ptrs
 from .upstream import Upstream, name_the_op
 from .watch import Watch
 
@@ -199,6 +199,7 @@ class Dispatcher:
         if written:
             own_written(written, op_args, op_kwargs)  # raises: the op must not run
             frame.writing = 1
+            frame.real_writes = real_write_ptrs(written, op_args, op_kwargs, self._resolved.is_fake)
             self._guarded(self.watch.enter, frame, written)
         held = trace.hold() if trace.file_sink_on else None  # the op's lines: one write
         stack = self.frames.stack
