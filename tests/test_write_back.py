@@ -407,6 +407,7 @@ def _dispatch_is_wrapped() -> bool:
 def test_dispatch_is_wrapped_only_while_a_propagating_user_mode_lives() -> None:
     """A fresh interpreter: importing the patch, torch, a mode without real values, a mode with
     a ShapeEnv wrap nothing; a propagating user mode wraps ``dispatch`` (the reports need it)
+    and the mode's entry ``__torch_dispatch__`` (``prim.device`` answered there)
     while it lives, and torch's own function (the same object) is back once it is collected, so
     a later plain fake pass, a tracer's, pays nothing per op (issue 28: P2 plain); write-back on
     keeps it wrapped without any mode; ``uninstall()`` puts torch's back even while a mode
@@ -417,12 +418,16 @@ def test_dispatch_is_wrapped_only_while_a_propagating_user_mode_lives() -> None:
         import torch._functorch.config as config
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
-        ORIGINAL = FakeTensorMode.__dict__["dispatch"]
-        def state():
-            attr = FakeTensorMode.__dict__["dispatch"]
-            if attr is ORIGINAL:
+        NAMES = ("dispatch", "__torch_dispatch__")
+        ORIGINAL = {name: FakeTensorMode.__dict__[name] for name in NAMES}
+        def one(name):
+            attr = FakeTensorMode.__dict__[name]
+            if attr is ORIGINAL[name]:
                 return "own"
-            return "wrapped" if getattr(attr, "__wrapped__", None) is ORIGINAL else "other"
+            return "wrapped" if getattr(attr, "__wrapped__", None) is ORIGINAL[name] else "other"
+        def state():  # the mode's entry (prim.device answered there) follows dispatch
+            found = {one(name) for name in NAMES}
+            return found.pop() if len(found) == 1 else "mixed"
         seen = [state()]
         with FakeTensorMode(allow_non_fake_inputs=True):
             torch.ones(2).add_(1)

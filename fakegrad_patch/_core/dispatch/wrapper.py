@@ -11,9 +11,13 @@ export and the other tracers keep upstream's behaviour exactly). For each op it:
 4. takes the fast path for new tensors, views and in-place ops (:mod:`.fast`, the default);
 5. else hands the op to upstream's path with its repairs (:mod:`.upstream`).
 
+Before it, the mode's entry (``FakeTensorMode.__torch_dispatch__``, :meth:`Dispatcher.entry`)
+answers ``prim.device`` of a propagating user mode with upstream's own handler.
+
 ``FakeTensorMode.dispatch`` is this wrapper only while a propagating user mode lives or
-write-back is on (a :class:`~..sites.Site`); with the unsafe fallback, ``Tensor.data``,
-``Tensor.retain_grad``, ``FakeTensor.tolist`` and ``GradScaler.update`` likewise.
+write-back is on (a :class:`~..sites.Site`); with the entry, the unsafe fallback,
+``Tensor.data``, ``Tensor.retain_grad``, ``FakeTensor.tolist`` and ``GradScaler.update``
+likewise.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class Dispatcher:
         self._fallback = Fallback(resolved, self.settings, self.stats, self._fast, errors)
         #: ops the mode answers from metadata (``prim.device``): handed straight on
         self._direct = _targets.direct_ops(resolved.fake_tensor_module)
+        #: ``(prim.device, upstream's handler)``, answered at the mode's entry (or None)
+        self._device = _targets.device_handler(resolved.fake_tensor_module)
         real_out = _targets.resolve_optional(_targets.DISPATCH_IMPL_REAL_OUT)
         self._can_read_frames = real_out is not None
 
@@ -135,7 +141,23 @@ class Dispatcher:
         for site in sites:
             site.close()  # torch's back, unless somebody wrapped over ours (warned)
 
-    # -- the wrapper ----------------------------------------------------------------------------
+    # -- the wrappers ---------------------------------------------------------------------------
+
+    def entry(self, wrapped: Any, mode: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``FakeTensorMode.__torch_dispatch__``: ``prim.device`` of a propagating user mode
+        answered by upstream's own handler, before the entry's decorators and ``dispatch``."""
+        device = self._device
+        if (
+            device is not None
+            and args
+            and args[0] is device[0]
+            and len(args) > 2
+            and self.observing
+            and getattr(mode, "propagate_real_tensors", False)
+            and getattr(mode, "shape_env", None) is None
+        ):
+            return device[1](args[2])
+        return wrapped(*args, **kwargs)
 
     def dispatch(
         self, wrapped: Any, mode: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -291,6 +313,22 @@ def _make_sites(self: Dispatcher, wrapt: Any, fallback_ok: bool) -> list[_sites.
             lost="in-place updates of real tensors inside the mode are not watched",
         )
     ]
+    entry = cls.__dict__.get("__torch_dispatch__")
+    if (
+        self._device is not None
+        and callable(entry)
+        and _targets.resolve_optional(_targets.FAKE_MODE_TORCH_DISPATCH) is not None
+    ):
+        sites.append(
+            _sites.Site(
+                cls,
+                "__torch_dispatch__",
+                wrapt.FunctionWrapper(entry, self.entry),
+                entry,
+                registry=_sites.user_modes,
+                lost="prim.device takes the mode's entry",
+            )
+        )
     sites += method_sites(
         self._resolved, self.settings, lambda: self.observing, self._armer, self._errors
     )
