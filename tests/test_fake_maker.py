@@ -192,3 +192,68 @@ def test_the_lean_maker_is_what_the_fast_path_uses() -> None:
         maker._from_meta = original
     assert calls == []
     _assert_like_upstreams(mode, out)
+
+
+# -- sparse outputs --------------------------------------------------------------------------
+
+#: programs whose op makes a sparse COO tensor inside the mode: name -> program on a fake x
+SPARSE: dict[str, Any] = {
+    "to_sparse (coalesced)": lambda x: x.to_sparse(),
+    "sparse_coo_tensor (not coalesced)": lambda x: torch.sparse_coo_tensor(
+        torch.tensor([[0, 1, 1], [2, 0, 2]]), x[0, :3] * 2, (2, 3)
+    ),
+    "sparse + sparse": lambda x: x.to_sparse() + x.to_sparse(),
+}
+
+
+def _assert_sparse_like_converters(mode: Any, fake: Any, real: Any) -> None:
+    ref = mode.fake_tensor_converter.from_real_tensor(mode, real.clone())
+    for read in (
+        lambda t: type(t),
+        lambda t: t.layout,
+        lambda t: t.shape,
+        lambda t: t.dtype,
+        lambda t: t.device,
+        lambda t: t.is_coalesced(),
+        lambda t: t.sparse_dim(),
+        lambda t: t.dense_dim(),
+        lambda t: repr(torch._C._dispatch_keys(t)),
+        lambda t: sorted(t.__dict__),
+    ):
+        assert read(fake) == read(ref)
+
+
+@pytest.mark.parametrize("name", list(SPARSE))
+def test_a_sparse_output_is_the_fake_the_converter_makes(name: str) -> None:
+    """A sparse COO output gets a meta sparse tensor of the converter's kind (its dims, sizes,
+    dtype, coalesced flag), holding the real output itself: the values are eager's."""
+    x_e = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    expected = SPARSE[name](x_e)
+    mode = fake_mode()
+    with mode:
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+        out = SPARSE[name](x)
+    assert out.layout == torch.sparse_coo
+    torch.testing.assert_close(out.real_tensor.to_dense(), expected.to_dense())
+    assert out.real_tensor.is_coalesced() == expected.is_coalesced()
+    _assert_sparse_like_converters(mode, out, out.real_tensor)
+
+
+def test_a_sparse_embedding_gradient_is_eagers() -> None:
+    """``nn.Embedding(sparse=True)``: its gradient, made inside the mode by the backward kernel,
+    is a sparse fake; the parameter receives eager's sparse gradient."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    eager = torch.nn.Embedding(10, 4, sparse=True)
+    eager.load_state_dict(emb.state_dict())
+    idx = torch.tensor([[1, 2, 4], [4, 3, 9]])
+    eager(idx).square().sum().backward()
+    seen: list[Any] = []
+    emb.weight.register_hook(lambda g: seen.append(g))
+    mode = fake_mode()
+    with mode:
+        emb(idx).square().sum().backward()
+    assert len(seen) == 1 and seen[0].layout == torch.sparse_coo
+    _assert_sparse_like_converters(mode, seen[0], seen[0].real_tensor)
+    assert type(emb.weight.grad) is torch.Tensor and emb.weight.grad.layout == torch.sparse_coo
+    torch.testing.assert_close(emb.weight.grad.to_dense(), eager.weight.grad.to_dense())

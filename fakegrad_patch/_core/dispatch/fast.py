@@ -115,10 +115,9 @@ class FastPath:
                 # a ZeroTensor output (an op on one, forward AD's zero tangents): its fake needs
                 # the ZeroTensor key, which upstream's path gives it (the real run had no effect)
                 return NOT_FAST
-            # a sparse or subclass output: the converter's own fakes (rare)
-            result = map_tensors(
-                lambda t: mode.fake_tensor_converter.from_real_tensor(mode, t), real_out
-            )
+            # a sparse COO output (an Embedding's sparse gradient): a fake as the converter
+            # makes one; a subclass or another layout: the converter's own fakes (rare)
+            result = map_tensors(lambda t: _other_fake(self, mode, t), real_out)
         self._stats.fast(func)
         return result
 
@@ -345,3 +344,23 @@ class FastPath:
             set_neg(fake, neg)
         fake.real_tensor = real
         return fake
+
+
+def _other_fake(path: FastPath, mode: Any, real: Any) -> Any:
+    """A fake of ``mode`` for a real output :meth:`FastPath.fake_of` cannot make. Sparse COO: what
+    the converter makes of a real sparse tensor (meta_utils: a meta sparse tensor of its
+    sparse and dense dims, sizes, dtype and coalesced flag, no indices or values; the
+    propagated values hold them), holding ``real`` itself (a fresh output: the converter's
+    clone of it would only be a copy); anything else: the converter's fake."""
+    if (
+        type(real) is torch.Tensor
+        and real.layout == torch.sparse_coo
+        and path._from_meta is not None
+        and not path._is_fake(real)
+    ):
+        with path._resolved.no_dispatch():
+            meta = _targets.sparse_meta_like(real)
+            fake = path._from_meta(mode.fake_tensor_converter, mode, meta, real.device)
+            fake.real_tensor = real
+        return fake
+    return mode.fake_tensor_converter.from_real_tensor(mode, real)

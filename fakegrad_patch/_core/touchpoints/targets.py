@@ -518,6 +518,29 @@ MAKE_SUBCLASS = Target("torch", "Tensor._make_subclass", "optional: fakes made w
 UNSAFE_DATA_PTR_ATTR = "_allow_unsafe_data_ptr_access"
 
 
+#: CALLED. ``aten._sparse_coo_tensor_with_dims(sparse_dim, dense_dim, size, dtype, layout,
+#: device="meta")`` and ``Tensor._coalesced_``: the meta tensor meta_utils makes for a real sparse
+#: COO tensor (2.4.0: this op; 2.13.0 ... 2.15.0: ``_sparse_coo_tensor_with_dims_and_tensors``
+#: with empty indices and values: the same sizes, dims, dtype, flag, no entries). The fast path
+#: makes a sparse output's fake over it (the propagated values hold the entries). Present on
+#: 2.4.0 ... 2.15.0.
+def sparse_meta_like(real: Any) -> Any:
+    """A meta sparse COO tensor of ``real``'s sparse and dense dims, sizes, dtype and coalesced
+    flag, without indices or values (call under ``no_dispatch``)."""
+    import torch
+
+    meta = torch.ops.aten._sparse_coo_tensor_with_dims(
+        real.sparse_dim(),
+        real.dense_dim(),
+        real.shape,
+        dtype=real.dtype,
+        layout=torch.sparse_coo,
+        device="meta",
+    )
+    meta._coalesced_(real.is_coalesced())
+    return meta
+
+
 #: CALLED, OPTIONAL. ``in_kernel_invocation_manager(fake_mode)``: the context FakeTensorMode runs
 #: meta kernels in (its fakes dispatch as meta tensors; Python dispatch off). The fast path makes
 #: a fake view with ``aten.as_strided`` on the aliased fake inside it, the way upstream runs a
@@ -1126,10 +1149,13 @@ class FakeMaker:
         self._throw = getattr(torch._C, "_set_throw_on_mutable_data_ptr", None)
         self._warn = getattr(torch._C, "_set_warn_deprecated_on_mutable_data_ptr", None)
         self._keys = getattr(torch._C, "_dispatch_keys", None)
+        self._strided = torch.strided
         #: device -> the attributes of its fakes but the mode (None: that device's kept upstream's)
         self._state: dict[Any, dict[str, Any] | None] = {}
 
     def __call__(self, converter: Any, mode: Any, meta: Any, device: Any) -> Any:
+        if meta.layout != self._strided:  # a sparse meta tensor: upstream's constructor
+            return self._from_meta(converter, mode, meta, device)
         state = self._state.get(device)
         if state is None or self._config is None or self._config.debug:
             return self._learn(converter, mode, meta, device)
