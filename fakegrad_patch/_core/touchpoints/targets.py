@@ -358,7 +358,8 @@ FAKE_MODE_DISPATCH = Target(
 #: that no fake mode is set, then calls ``dispatch``). Wrapped alongside FAKE_MODE_DISPATCH, in a
 #: propagating user mode only: ``prim.device`` (~1.5 calls per aten op of a propagating step,
 #: made by autograd and the dispatcher) is answered there by upstream's own handler
-#: (DEVICE_HANDLER), ~1 µs instead of ~8 through the entry, its decorators and ``dispatch``.
+#: (:func:`device_handler`), ~1 µs instead of ~8 through the entry, its decorators and
+#: ``dispatch``.
 #: Same signature on 2.4.0 ... 2.15.0. Absent: ``prim.device`` takes the mode's entry.
 FAKE_MODE_TORCH_DISPATCH = Target(
     FAKE_TENSOR_MODULE,
