@@ -92,22 +92,15 @@ class BornInside:
     def scaler_site(self) -> _sites.Site | None:
         """A :class:`_sites.Site` for ``torch.amp.GradScaler.update`` (in place while a
         propagating user mode lives), or None where the class is absent."""
-        import wrapt
-
         try:
             from torch.amp.grad_scaler import GradScaler
         except ImportError:
             return None
-        original = GradScaler.__dict__.get("update")
-        if not callable(original):
-            return None
-        return _sites.Site(
+        return _sites.function_site(
             GradScaler,
             "update",
-            wrapt.FunctionWrapper(original, self._after_scaler_update),
-            original,
-            registry=_sites.user_modes,
-            lost="a GradScaler whose state is created inside the mode keeps FakeTensors",
+            self._after_scaler_update,
+            "a GradScaler whose state is created inside the mode keeps FakeTensors",
         )
 
     def _after_scaler_update(self, wrapped: Any, scaler: Any, args: Any, kwargs: Any) -> Any:

@@ -91,7 +91,7 @@ class Dispatcher:
         ``dispatch`` is missing."""
         if self.observing:
             return True
-        import wrapt
+        import wrapt  # noqa: F401  (loaded before the lock: the sites wrap with it)
 
         # import first, then lock: resolving a target may import
         if _targets.resolve_optional(_targets.FAKE_MODE_DISPATCH) is None:
@@ -102,7 +102,7 @@ class Dispatcher:
                 return True
             sites = self._sites
             if not sites:
-                sites = _make_sites(self, wrapt, fallback_ok)
+                sites = _make_sites(self, fallback_ok)
                 if not sites:
                     return False
                 for site in sites:
@@ -295,57 +295,39 @@ class Dispatcher:
             self._errors.internal_error("dispatch", exc)
 
 
-def _make_sites(self: Dispatcher, wrapt: Any, fallback_ok: bool) -> list[_sites.Site]:
-    """The dispatch wrapper's sites: ``FakeTensorMode.dispatch``, the methods, the scaler,
-    ``run_fallback_kernel``."""
+def _make_sites(self: Dispatcher, fallback_ok: bool) -> list[_sites.Site]:
+    """The dispatch wrapper's sites: ``FakeTensorMode.dispatch``, its entry, the methods, the
+    scaler, ``run_fallback_kernel``."""
     cls = self._resolved.fake_mode_cls
     name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
-    original = cls.__dict__.get(name)
-    if not callable(original):
+    dispatch = _sites.function_site(
+        cls, name, self.dispatch, "in-place updates of real tensors inside the mode are not watched"
+    )
+    if dispatch is None:
         return []
-    sites = [
-        _sites.Site(
-            cls,
-            name,
-            wrapt.FunctionWrapper(original, self.dispatch),
-            original,
-            registry=_sites.user_modes,
-            lost="in-place updates of real tensors inside the mode are not watched",
-        )
-    ]
-    entry = cls.__dict__.get("__torch_dispatch__")
+    sites = [dispatch]
     if (
         self._device is not None
-        and callable(entry)
         and _targets.resolve_optional(_targets.FAKE_MODE_TORCH_DISPATCH) is not None
     ):
-        sites.append(
-            _sites.Site(
-                cls,
-                "__torch_dispatch__",
-                wrapt.FunctionWrapper(entry, self.entry),
-                entry,
-                registry=_sites.user_modes,
-                lost="prim.device takes the mode's entry",
-            )
+        entry = _sites.function_site(
+            cls, "__torch_dispatch__", self.entry, "prim.device takes the mode's entry"
         )
+        if entry is not None:
+            sites.append(entry)
     sites += method_sites(
         self._resolved, self.settings, lambda: self.observing, self._armer, self._errors
     )
     scaler = self.born_inside.scaler_site()
     if scaler is not None:
         sites.append(scaler)
-    module = self._resolved.fake_tensor_module
-    fallback = module.__dict__.get("run_fallback_kernel")
-    if fallback_ok and self._can_read_frames and callable(fallback):
-        sites.append(
-            _sites.Site(
-                module,
-                "run_fallback_kernel",
-                wrapt.FunctionWrapper(fallback, self._fallback),
-                fallback,
-                registry=_sites.user_modes,
-                lost="ops without a meta kernel keep the zeros' values",
-            )
+    if fallback_ok and self._can_read_frames:
+        fallback = _sites.function_site(
+            self._resolved.fake_tensor_module,
+            "run_fallback_kernel",
+            self._fallback,
+            "ops without a meta kernel keep the zeros' values",
         )
+        if fallback is not None:
+            sites.append(fallback)
     return sites

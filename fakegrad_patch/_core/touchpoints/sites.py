@@ -194,6 +194,25 @@ class Site(_Follower):
         return None
 
 
+def function_site(owner: Any, attr: str, handler: Any, lost: str) -> Site | None:
+    """A :class:`Site` putting ``wrapt.FunctionWrapper(original, handler)`` in place of the
+    function ``owner`` defines as ``attr`` while a propagating user mode lives (or a policy asks
+    for it); None where ``owner`` defines no such function. ``lost``: see :class:`Site`."""
+    original = owner.__dict__.get(attr)
+    if not callable(original):
+        return None
+    import wrapt
+
+    return Site(
+        owner,
+        attr,
+        wrapt.FunctionWrapper(original, handler),
+        original,
+        registry=user_modes,
+        lost=lost,
+    )
+
+
 class HookSite(_Follower):
     """Registers ``hook`` with torch (``register(hook)``, a handle with ``remove()``) from the
     first propagating user mode seen on (one alive at :meth:`start` included) until
