@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import wrapt
 
 from ..touchpoints import sites as _sites
 from ..touchpoints import targets as _targets
@@ -27,10 +28,9 @@ from ..typing import InternalErrors, RetainedArmer
 from .stats import Settings
 
 
-def data_property(is_fake: Any) -> property:
-    """A property over torch's ``Tensor.data`` descriptor whose setter takes a propagating
-    fake's values into a real tensor."""
-    descriptor = _targets.resolve(_targets.TENSOR_DATA)
+def data_property(is_fake: Any, descriptor: Any) -> property:
+    """A property over torch's ``Tensor.data`` descriptor (``targets.TENSOR_DATA``, resolved by
+    the caller) whose setter takes a propagating fake's values into a real tensor."""
     get, put = descriptor.__get__, descriptor.__set__
 
     def data(self: Any) -> Any:
@@ -117,30 +117,41 @@ def tolist_method(resolved: Resolved, settings: Settings, observing: Any, origin
     return tolist
 
 
+def tensor_data_descriptor() -> Any:
+    """torch's ``Tensor.data`` descriptor where :func:`method_sites` wraps it (``Tensor`` does not
+    define ``data`` itself), else None. May import: call it before taking a lock."""
+    if "data" in torch.Tensor.__dict__:
+        return None
+    return _targets.resolve(_targets.TENSOR_DATA)
+
+
 def method_sites(
     resolved: Resolved,
     settings: Settings,
     observing: Any,
     armer: RetainedArmer,
     errors: InternalErrors,
+    tensor_data: Any,
+    tensor_retain_grad: Any,
 ) -> list[_sites.Site]:
-    """The Sites of ``Tensor.data``, ``Tensor.retain_grad`` and ``FakeTensor.tolist``."""
-    import wrapt
-
+    """The Sites of ``Tensor.data``, ``Tensor.retain_grad`` and ``FakeTensor.tolist``
+    (``tensor_data``, ``tensor_retain_grad``: ``targets.TENSOR_DATA`` and
+    ``targets.tensor_retain_grad()``, found before the caller's lock). Imports nothing (wrapt is
+    imported with this module)."""
     sites = []
     if "data" not in torch.Tensor.__dict__:
         sites.append(
             _sites.Site(
                 torch.Tensor,
                 "data",
-                data_property(resolved.is_fake),
+                data_property(resolved.is_fake, tensor_data),
                 _sites.ABSENT,
                 registry=_sites.user_modes,
                 lost="`real.data = fake` inside the mode makes the tensor a meta one",
             )
         )
     own = torch.Tensor.__dict__.get("retain_grad", _sites.ABSENT)
-    retain = own if own is not _sites.ABSENT else _targets.tensor_retain_grad()
+    retain = own if own is not _sites.ABSENT else tensor_retain_grad
     if callable(retain):
         sites.append(
             _sites.Site(

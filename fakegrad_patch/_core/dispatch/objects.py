@@ -89,15 +89,14 @@ class BornInside:
         except Exception as exc:  # never break the host's training step
             self._errors.internal_error("write_back", exc)
 
-    def scaler_site(self) -> _sites.Site | None:
-        """A :class:`_sites.Site` for ``torch.amp.GradScaler.update`` (in place while a
-        propagating user mode lives), or None where the class is absent."""
-        try:
-            from torch.amp.grad_scaler import GradScaler
-        except ImportError:
+    def scaler_site(self, scaler_cls: Any) -> _sites.Site | None:
+        """A :class:`_sites.Site` for ``scaler_cls.update`` (:func:`grad_scaler_class`; in place
+        while a propagating user mode lives), or None where the class is absent. Imports
+        nothing: called under the dispatcher's lock."""
+        if scaler_cls is None:
             return None
         return _sites.function_site(
-            GradScaler,
+            scaler_cls,
             "update",
             self._after_scaler_update,
             "a GradScaler whose state is created inside the mode keeps FakeTensors",
@@ -136,6 +135,16 @@ class BornInside:
         except Exception as exc:  # never break the host's training step
             self._errors.internal_error("write_back", exc)
         return result
+
+
+def grad_scaler_class() -> Any:
+    """``torch.amp.GradScaler`` (public), or None where absent. May import: call it before
+    taking a lock."""
+    try:
+        from torch.amp.grad_scaler import GradScaler
+    except ImportError:
+        return None
+    return GradScaler
 
 
 def _step_hook_registrar() -> Any:

@@ -23,7 +23,7 @@ likewise.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from ... import trace
 from ..touchpoints import sites as _sites
@@ -34,9 +34,9 @@ from .aliases import Aliases
 from .fallback import Fallback
 from .fast import NOT_FAST, FastPath
 from .frames import Frame, Frames
-from .methods import method_sites
+from .methods import method_sites, tensor_data_descriptor
 from .nested import GeneratorsKept, Nested
-from .objects import BornInside
+from .objects import BornInside, grad_scaler_class
 from .ops import Kind, facts
 from .refused import Converted, Refused
 from .stats import Settings, Stats
@@ -91,18 +91,22 @@ class Dispatcher:
         ``dispatch`` is missing."""
         if self.observing:
             return True
-        import wrapt  # noqa: F401  (loaded before the lock: the sites wrap with it)
-
         # import first, then lock: resolving a target may import
         if _targets.resolve_optional(_targets.FAKE_MODE_DISPATCH) is None:
             return False
-        fallback_ok = _targets.resolve_optional(_targets.RUN_FALLBACK_KERNEL) is not None
+        found = _Found(
+            entry=_targets.resolve_optional(_targets.FAKE_MODE_TORCH_DISPATCH) is not None,
+            fallback=_targets.resolve_optional(_targets.RUN_FALLBACK_KERNEL) is not None,
+            data=tensor_data_descriptor(),
+            retain_grad=_targets.tensor_retain_grad(),
+            scaler=grad_scaler_class(),
+        )
         with self._lock:
             if self.observing:
                 return True
             sites = self._sites
             if not sites:
-                sites = _make_sites(self, fallback_ok)
+                sites = _make_sites(self, found)
                 if not sites:
                     return False
                 for site in sites:
@@ -295,9 +299,19 @@ class Dispatcher:
             self._errors.internal_error("dispatch", exc)
 
 
-def _make_sites(self: Dispatcher, fallback_ok: bool) -> list[_sites.Site]:
+class _Found(NamedTuple):
+    """What the sites need that may import, found before the dispatcher's lock is taken."""
+
+    entry: bool  # ``FakeTensorMode.__torch_dispatch__``
+    fallback: bool  # ``run_fallback_kernel``
+    data: Any  # ``TensorBase.data``'s descriptor, where ``Tensor.data`` is wrapped
+    retain_grad: Any  # ``TensorBase.retain_grad`` (or None)
+    scaler: Any  # ``torch.amp.GradScaler`` (or None)
+
+
+def _make_sites(self: Dispatcher, found: _Found) -> list[_sites.Site]:
     """The dispatch wrapper's sites: ``FakeTensorMode.dispatch``, its entry, the methods, the
-    scaler, ``run_fallback_kernel``."""
+    scaler, ``run_fallback_kernel``. Called under the dispatcher's lock: imports nothing."""
     cls = self._resolved.fake_mode_cls
     name = _targets.FAKE_MODE_DISPATCH.qualname.rsplit(".", 1)[1]
     dispatch = _sites.function_site(
@@ -306,22 +320,25 @@ def _make_sites(self: Dispatcher, fallback_ok: bool) -> list[_sites.Site]:
     if dispatch is None:
         return []
     sites = [dispatch]
-    if (
-        self._device is not None
-        and _targets.resolve_optional(_targets.FAKE_MODE_TORCH_DISPATCH) is not None
-    ):
+    if self._device is not None and found.entry:
         entry = _sites.function_site(
             cls, "__torch_dispatch__", self.entry, "prim.device takes the mode's entry"
         )
         if entry is not None:
             sites.append(entry)
     sites += method_sites(
-        self._resolved, self.settings, lambda: self.observing, self._armer, self._errors
+        self._resolved,
+        self.settings,
+        lambda: self.observing,
+        self._armer,
+        self._errors,
+        found.data,
+        found.retain_grad,
     )
-    scaler = self.born_inside.scaler_site()
+    scaler = self.born_inside.scaler_site(found.scaler)
     if scaler is not None:
         sites.append(scaler)
-    if fallback_ok and self._can_read_frames:
+    if found.fallback and self._can_read_frames:
         fallback = _sites.function_site(
             self._resolved.fake_tensor_module,
             "run_fallback_kernel",

@@ -23,6 +23,8 @@ import threading
 import weakref
 from typing import Any
 
+import wrapt
+
 from ... import trace
 
 #: Propagating modes seen alive by any installation: id(mode) -> weak reference (its callback
@@ -201,8 +203,6 @@ def function_site(owner: Any, attr: str, handler: Any, lost: str) -> Site | None
     original = owner.__dict__.get(attr)
     if not callable(original):
         return None
-    import wrapt
-
     return Site(
         owner,
         attr,
