@@ -245,3 +245,38 @@ def test_training_threads_while_another_thread_reinstalls_the_patch() -> None:
     assert result["steps"] == 36 and result["toggles"] >= 2, result
     assert result["wholly_installed"] > result["steps"] // 2, result
     assert fakegrad_patch.is_installed()
+
+
+@pytest.mark.parametrize("via", ["first need", "write-back on"])
+def test_an_uninstalled_installation_never_wraps_again(via: str) -> None:
+    """``uninstall()`` on one thread while another thread's mode construction or conversion has
+    just passed its installation's ``active`` test (or turns write-back on through it): that
+    thread then asks the old installation's dispatcher to watch ops (``observe()``). It must
+    refuse: before, it built and started a new set of wrappers for the removed installation,
+    which stayed for good, and every later installation found ``FakeTensorMode.dispatch`` (and
+    its companions) "replaced by someone else" and stood aside (the entry's device answers, the
+    write watch, the fallback repairs gone). Seen by chance in the suite, after the stress test
+    above; here the interleaving is made by hand: the late call after ``uninstall()``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fakegrad_patch._core.install import current
+
+    fakegrad_patch.install()
+    old = current()
+    assert old is not None
+    fakegrad_patch.uninstall()
+    if via == "first need":  # FakeTensorMode.__init__'s and the converter's wrappers
+        assert old.dispatch.observe() is False
+    else:
+        assert old.dispatch.write_back(True) is False
+    assert not old.dispatch.observing
+    fakegrad_patch.install()
+    new = current()
+    assert new is not None and new is not old
+    p = torch.nn.Parameter(torch.ones(3))
+    with fake_mode():
+        (p * 2).sum().backward()
+        assert new.dispatch.observing
+        wrapper = new.dispatch._sites[0].wrapper
+        assert FakeTensorMode.__dict__["dispatch"] is wrapper  # the installation in force's
+    assert is_real(p.grad) and torch.equal(p.grad, torch.full((3,), 2.0))

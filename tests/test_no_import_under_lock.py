@@ -55,7 +55,8 @@ def dispatcher_locks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """The installed dispatcher's locks (its own, write-back's aliases', the state objects')
     replaced by recording ones; every import (``import`` statements and ``import_module``) made
     while one is held is listed."""
-    fakegrad_patch.install()
+    fakegrad_patch.uninstall()
+    fakegrad_patch.install()  # a fresh installation: its dispatcher builds its sites at first need
     applied = current()
     assert applied is not None
     dispatcher = applied.dispatch
@@ -100,11 +101,10 @@ def dispatcher_locks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 def test_the_sites_are_built_without_an_import_under_the_lock(
     dispatcher_locks: list[str], propagate: None
 ) -> None:
-    """From scratch (``remove()`` dropped the sites), a propagating mode makes the dispatcher
-    build and start its sites; write-back on and off follows."""
+    """From scratch (a fresh installation), a propagating mode makes the dispatcher build and
+    start its sites; write-back on and off follows."""
     applied = current()
     assert applied is not None
-    applied.dispatch.remove()
     assert not applied.dispatch.observing
     leaf = torch.nn.Parameter(torch.ones(3))
     with (

@@ -62,6 +62,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         #: ``FakeTensorMode.dispatch`` wrapped while needed (reports; write-back; repairs)
         self.observing = False
+        #: ``remove()`` ran (uninstall): this installation never wraps again
+        self._removed = False
         self._sites: list[_sites.Site] = []
         self._policy = False
         self.settings = Settings()
@@ -88,22 +90,22 @@ class Dispatcher:
         """Watch the ops of propagating user modes (idempotent, thread-safe): from now on the
         wrappers are in place while such a mode lives or write-back is on, and torch's own
         functions otherwise (a plain mode, a tracer's, pays nothing per op). False where
-        ``dispatch`` is missing."""
+        ``dispatch`` is missing, or once :meth:`remove` ran (a thread that passed the
+        installation's ``active`` test before ``uninstall()`` must not put its wrappers back:
+        they would stay, and every later installation's would stand aside)."""
         if self.observing:
             return True
+        if self._removed:
+            return False
         # import first, then lock: resolving a target may import
         if _targets.resolve_optional(_targets.FAKE_MODE_DISPATCH) is None:
             return False
-        found = _Found(
-            entry=_targets.resolve_optional(_targets.FAKE_MODE_TORCH_DISPATCH) is not None,
-            fallback=_targets.resolve_optional(_targets.RUN_FALLBACK_KERNEL) is not None,
-            data=tensor_data_descriptor(),
-            retain_grad=_targets.tensor_retain_grad(),
-            scaler=grad_scaler_class(),
-        )
+        found = _find()
         with self._lock:
             if self.observing:
                 return True
+            if self._removed:
+                return False
             sites = self._sites
             if not sites:
                 sites = _make_sites(self, found)
@@ -141,6 +143,7 @@ class Dispatcher:
         """``uninstall()``: torch's functions back."""
         with self._lock:
             self.observing = False
+            self._removed = True
             sites, self._sites = self._sites, []  # also those observe() is starting
         for site in sites:
             site.close()  # torch's back, unless somebody wrapped over ours (warned)
@@ -307,6 +310,17 @@ class _Found(NamedTuple):
     data: Any  # ``TensorBase.data``'s descriptor, where ``Tensor.data`` is wrapped
     retain_grad: Any  # ``TensorBase.retain_grad`` (or None)
     scaler: Any  # ``torch.amp.GradScaler`` (or None)
+
+
+def _find() -> _Found:
+    """What the sites need that may import (before the lock)."""
+    return _Found(
+        entry=_targets.resolve_optional(_targets.FAKE_MODE_TORCH_DISPATCH) is not None,
+        fallback=_targets.resolve_optional(_targets.RUN_FALLBACK_KERNEL) is not None,
+        data=tensor_data_descriptor(),
+        retain_grad=_targets.tensor_retain_grad(),
+        scaler=grad_scaler_class(),
+    )
 
 
 def _make_sites(self: Dispatcher, found: _Found) -> list[_sites.Site]:
