@@ -72,21 +72,20 @@ def _values_are_the_constant(fake: Any) -> None:
         fake.real_tensor = constant
 
 
-def _may_lend(
+def _quiet_input(
     is_fake: Any, dispatch: Any, mode: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> bool:
-    """An op input of a propagating mode without a ShapeEnv that may borrow its values
-    (lending.py): the op does not write (the dispatch wrapper's frame says so), write-back
-    is off."""
-    if not _lending.enabled() or kwargs or len(args) != 2:
+    """A real op input of a propagating mode without a ShapeEnv, converted for an op that
+    writes nothing (the dispatch wrapper's frame says so), write-back off: its values may be
+    lent (lending.py), its fake made lean (``targets.LeanConversion``)."""
+    if kwargs or len(args) != 2:
         return False
-    t = args[1]
-    if is_fake(t) or not getattr(mode, "propagate_real_tensors", False):
+    if is_fake(args[1]) or not getattr(mode, "propagate_real_tensors", False):
         return False
     if getattr(mode, "shape_env", None) is not None or dispatch.aliases.enabled:
         return False
     frame = dispatch.frames.top()
-    return frame is not None and frame.mode is mode and not frame.writing and _lending.lendable(t)
+    return frame is not None and frame.mode is mode and not frame.writing
 
 
 def _lent(real: Any, values: Any, source: Any, reason: str, may_lend: bool) -> str | None:
@@ -138,6 +137,21 @@ def _bits_on_values(resolved: Resolved, fake: Any, t: Any) -> None:
         fake.real_tensor = copy
 
 
+def _lean_values(resolved: Resolved, t: Any, may_lend: bool, d2: bool) -> Any:
+    """The values upstream's conversion gives the fake of ``t`` (a plain dense leaf), before
+    ``Values._sync``: where D2 applies (``d2``), a fresh uninitialised buffer (the D2 repair
+    fills it, lending where it may); where upstream clones the storage, a loan where ``t`` may
+    lend (as lending.clone_real_storage makes on 2.14+), else a copy."""
+    with resolved.no_dispatch(), torch.no_grad():
+        if may_lend and not d2:
+            lent = _lending.lend(t.untyped_storage())
+            return torch.empty(0, dtype=t.dtype, device=t.device).set_(lent, 0, t.shape, t.stride())
+        real = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        if not d2:
+            real.copy_(t)
+        return real
+
+
 class Values:
     """One installation's converter wrapper."""
 
@@ -150,6 +164,7 @@ class Values:
         fake_leaves: FakeLeafMirror,
         armer: RetainedArmer,
         errors: InternalErrors,
+        lean: Any = None,
     ) -> None:
         self._resolved = resolved
         self._probes = probes
@@ -166,6 +181,8 @@ class Values:
         self.unseen = self._unseen = Unseen(resolved, probes)
         #: the dispatch path: its switch, write-back's aliasing and the watch of op inputs
         self._dispatch = dispatch
+        #: the fast path's op inputs converted lean where checked (None: always upstream's)
+        self._lean = lean
 
     # -- the wrapper ---------------------------------------------------------------------------
 
@@ -181,14 +198,25 @@ class Values:
             and not self._fake_leaves.mirroring()
         ):
             return wrapped(*args, **kwargs)
-        may_lend = _may_lend(self._is_fake, self._dispatch, mode, args, kwargs)
-        if may_lend:
-            with _lending.Converting(args[1]):  # 2.14+: upstream's copy of it is a loan
-                fake = wrapped(*args, **kwargs)
-        else:
-            fake = wrapped(*args, **kwargs)
         if not self.active or bypassed():
-            return fake
+            return wrapped(*args, **kwargs)
+        quiet = _quiet_input(self._is_fake, self._dispatch, mode, args, kwargs)
+        may_lend = quiet and _lending.enabled() and _lending.lendable(args[1])
+        fake = None
+        lean = self._lean if quiet and getattr(_state.converting, "fast", False) else None
+        if lean is not None:  # the fast path's op input: made lean where checked
+            d2 = self._d2_applies(args[1], False)
+            fake = lean.convert(
+                instance, mode, args[1], lambda t: _lean_values(self._resolved, t, may_lend, d2)
+            )
+        if fake is None:
+            if may_lend:
+                with _lending.Converting(args[1]):  # 2.14+: upstream's copy of it is a loan
+                    fake = wrapped(*args, **kwargs)
+            else:
+                fake = wrapped(*args, **kwargs)
+            if lean is not None:
+                lean.learn(instance, mode, args[1], fake)
         try:
             if getattr(mode, "propagate_real_tensors", False):
                 if kwargs.get("make_constant"):

@@ -93,7 +93,7 @@ class FastPath:
         self._frames = frames
         self._aliases = aliases
         # optional touch points: absent on a build, the fast path stands aside
-        self._from_meta = _fake_maker(resolved)
+        self._from_meta = self.fake_maker = _fake_maker(resolved)
         self._in_kernel = _targets.resolve_optional(_targets.IN_KERNEL_INVOCATION)
 
     # -- the three kinds ---------------------------------------------------------------------

@@ -73,6 +73,8 @@ class Dispatcher:
         self.born_inside = BornInside(resolved, errors)
         self.watch = Watch(resolved, self.frames, self.aliases, copies)
         self._fast = FastPath(resolved, self.stats, self.frames, self.aliases)
+        #: the fast path's fake constructor (``targets.FakeMaker``; None where absent)
+        self.fake_maker = self._fast.fake_maker
         self._upstream = Upstream(resolved, self.settings, self.stats, self._fast, mismatch)
         self._nested = Nested(resolved, self.stats, self.watch, self._upstream)
         self._refused = Refused(resolved, self.stats, self._fast)

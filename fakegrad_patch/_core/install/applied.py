@@ -70,6 +70,7 @@ class Applied:
             fake_leaves=self.fake_leaves,
             armer=self,
             errors=self,
+            lean=_lean_conversion(self.dispatch.fake_maker),
         )
         self.materializer = _accumulate.Materializer(
             self.resolved,
@@ -321,3 +322,14 @@ def _lend(resolved: Any, owned: Any) -> tuple[Any, str, Any, Any, bool] | None:
     attr = _targets.CLONE_REAL_STORAGE.qualname
     wrapt.wrap_function_wrapper(module, attr, _lending.clone_real_storage)
     return module, attr, module.__dict__[attr], clone, True
+
+
+def _lean_conversion(fake_maker: Any) -> Any:
+    """The converter's lean conversions of the fast path's op inputs (``targets.LeanConversion``),
+    or None where the build lacks what they need."""
+    from ..touchpoints import targets as _targets
+
+    if fake_maker is None:
+        return None
+    lean = _targets.LeanConversion(fake_maker)
+    return lean if lean.usable else None

@@ -1213,6 +1213,165 @@ class FakeMaker:
         return attrs if same else None
 
 
+#: CALLED / WRITTEN (2.4.0, 2.13.0, 2.14.1, 2.15.0: the same names and protocol). What
+#: ``FakeTensorConverter.from_real_tensor`` does for a plain dense leaf (a parameter, an input: no
+#: view, no grad, offset 0, its storage exactly its elements), made without MetaConverter's Python
+#: (``describe_tensor``, ``meta_tensor``: ~100 µs warm, 3-5x that in a large model's step):
+#: ``meta_converter.describer``'s ids (``get_tensor_id``, ``get_storage_id``; ``lookup_tensor``,
+#: ``lookup_storage``), a fake over a fresh ``empty_strided`` meta tensor (FakeMaker), its values
+#: and REAL_STORAGE_ATTR, ``requires_grad`` and ``_is_param`` as ``meta_tensor`` sets them, the
+#: memos (``meta_converter.storage_memo[storage id]`` = the fake's meta storage,
+#: ``tensor_memo[tensor id]`` = the fake: a later conversion of the tensor, or of a view of its
+#: storage, finds them, as it finds upstream's) and the ``hit`` counter. MetaConverter suspends
+#: functionalization and functorch's interpreter stack around its work: a lean conversion runs
+#: only where neither is active (``torch._C._functorch.peek_interpreter_stack``, the Functionalize
+#: key). Used only once checked per kind of tensor (device, type, dtype, requires_grad, dispatch
+#: keys): the first conversion of each kind is upstream's, and a lean one of the same tensor made
+#: into a scratch converter must match it (type, dispatch keys, metadata, autograd flags, every
+#: attribute but the values, the memos' entries); any difference keeps upstream's for that kind.
+class LeanConversion:
+    """``convert(converter, mode, t, values)``: the converter's fake of ``t`` made lean, or None
+    (upstream's conversion then); ``learn(...)`` after upstream's conversion of ``t``."""
+
+    def __init__(self, make: FakeMaker) -> None:
+        import torch
+
+        self._make = make
+        self._no_dispatch = resolve(NO_DISPATCH)
+        self._keys = getattr(torch._C, "_dispatch_keys", None)
+        functorch = getattr(torch._C, "_functorch", None)
+        self._peek = getattr(functorch, "peek_interpreter_stack", None)
+        self._included = getattr(torch._C, "_dispatch_tls_is_dispatch_key_included", None)
+        self._functionalize = getattr(getattr(torch._C, "DispatchKey", None), "Functionalize", None)
+        self._types = (torch.Tensor, torch.nn.Parameter)
+        self._strided = torch.strided
+        self._parameter = torch.nn.Parameter
+        #: kind -> a lean conversion matched upstream's (False: upstream's for good)
+        self._checked: dict[tuple[Any, ...], bool] = {}
+        self.usable = None not in (self._keys, self._peek, self._included, self._functionalize)
+
+    def kind(self, t: Any) -> tuple[Any, ...] | None:
+        """``t``'s kind where a lean conversion may make its fake, else None."""
+        if type(t) not in self._types or t.layout != self._strided or not self.usable:
+            return None
+        if t.grad_fn is not None or t._base is not None or t.grad is not None:
+            return None
+        numel = t.numel()
+        if numel == 0 or t.storage_offset() != 0 or getattr(t, "_is_buffer", False):
+            return None
+        if t.untyped_storage().nbytes() != numel * t.element_size():
+            return None
+        requires_grad = t.requires_grad
+        if requires_grad and getattr(t, "grad_dtype", t.dtype) != t.dtype:
+            return None
+        if self._peek() is not None or self._included(self._functionalize):  # type: ignore[misc]
+            return None
+        keys = repr(self._keys(t))  # type: ignore[misc]
+        return (t.device, type(t), t.dtype, requires_grad, keys)
+
+    def convert(self, converter: Any, mode: Any, t: Any, values: Callable[[Any], Any]) -> Any:
+        kind = self.kind(t)
+        if kind is None or self._checked.get(kind) is not True:
+            return None
+        meta_converter = converter.meta_converter
+        describer = meta_converter.describer
+        storage = t.untyped_storage()
+        if t in describer.lookup_tensor or storage in describer.lookup_storage:
+            return None  # known to this converter (its memo, an alias): upstream's
+        return self._build(meta_converter, mode, converter, t, storage, values)
+
+    def _build(
+        self,
+        meta_converter: Any,
+        mode: Any,
+        converter: Any,
+        t: Any,
+        storage: Any,
+        values: Callable[[Any], Any],
+    ) -> Any:
+        import torch
+
+        describer = meta_converter.describer
+        with self._no_dispatch():
+            meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            fake = self._make(converter, mode, meta, t.device)
+            real = values(t)
+            fake.real_tensor = real
+            set_real_storage(fake.untyped_storage(), real.untyped_storage())
+        if t.requires_grad:
+            fake.requires_grad = True
+        if type(t) is self._parameter:
+            fake._is_param = True
+        meta_converter.storage_memo[describer.get_storage_id(storage)] = fake.untyped_storage()
+        meta_converter.tensor_memo[describer.get_tensor_id(t)] = fake
+        meta_converter.hit += 1
+        return fake
+
+    def learn(self, converter: Any, mode: Any, t: Any, fake: Any) -> None:
+        """After upstream converted ``t`` into ``fake`` (its first conversion of that kind): a
+        lean conversion of ``t`` into a scratch converter of the same class must match it."""
+        kind = self.kind(t)
+        if kind is None or kind in self._checked:
+            return
+        try:
+            same = self._same(converter, mode, t, fake)
+        except Exception:
+            same = False
+        self._checked[kind] = same
+
+    def _same(self, converter: Any, mode: Any, t: Any, fake: Any) -> bool:
+        import torch
+
+        scratch = type(converter)(copy_data=True)
+        storage = t.untyped_storage()
+
+        def copy(source: Any) -> Any:
+            return source.detach().clone(memory_format=torch.preserve_format)
+
+        lean = self._build(scratch.meta_converter, mode, scratch, t, storage, copy)
+        theirs, ours = dict(fake.__dict__), dict(lean.__dict__)
+        real, lean_real = theirs.pop("real_tensor", None), ours.pop("real_tensor", None)
+        keys = self._keys
+
+        def memo(conv: Any, f: Any) -> bool:
+            mc = conv.meta_converter
+            tid = mc.describer.lookup_tensor.get(t)
+            sid = mc.describer.lookup_storage.get(storage)
+            kept = mc.storage_memo.get(sid) if sid is not None else None
+            return (
+                tid is not None
+                and mc.tensor_memo.get(tid) is f
+                and kept is not None
+                and storage_key(kept) == storage_key(f.untyped_storage())
+            )
+
+        return (
+            type(lean) is type(fake)
+            and repr(keys(lean)) == repr(keys(fake))  # type: ignore[misc]
+            and ours == theirs
+            and (lean.shape, lean.stride(), lean.storage_offset(), lean.dtype, lean.device)
+            == (fake.shape, fake.stride(), fake.storage_offset(), fake.dtype, fake.device)
+            and (lean.requires_grad, lean.is_leaf, lean._version, lean.grad)
+            == (fake.requires_grad, fake.is_leaf, fake._version, fake.grad)
+            and lean.untyped_storage().nbytes() == fake.untyped_storage().nbytes()
+            and getattr(lean, "grad_dtype", None) == getattr(fake, "grad_dtype", None)
+            and type(real) is type(lean_real) is torch.Tensor
+            and (real.shape, real.stride(), real.storage_offset(), real.dtype, real.device)
+            == (
+                lean_real.shape,
+                lean_real.stride(),
+                lean_real.storage_offset(),
+                lean_real.dtype,
+                lean_real.device,
+            )
+            and real_storage_of(fake.untyped_storage()) is not None
+            and real_storage_of(lean.untyped_storage()) is not None
+            and scratch.meta_converter.hit == 1
+            and memo(converter, fake)
+            and memo(scratch, lean)
+        )
+
+
 def resolve_optional(target: Target) -> Any:
     try:
         return resolve(target)
