@@ -24,6 +24,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import fakegrad_patch
 from fakegrad_patch import trace
 from fakegrad_patch.trace import _pipeline, _sinks
 
@@ -258,11 +259,13 @@ def test_an_armed_backward_writes_its_lines_once_when_it_returns(
 def test_one_op_converting_many_parameters_writes_its_lines_once(
     propagate: None, tmp_path: Path, restore_trace: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Upstream's path (``propagation="repair"``) converts all twelve in the one op (the fast
+    path reads them directly: no conversion, nothing to repair)."""
     path = tmp_path / "t.jsonl"
     trace.configure_trace(path=str(path), level="info")
     model = _Leaves(12)
     writes = _Writes(monkeypatch)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fakegrad_patch.patched(propagation="repair"), FakeTensorMode(allow_non_fake_inputs=True):
         torch.stack(list(model.leaves))
     repaired = [e for e in _lines(path) if e["event"] == "d2_repaired"]
     if not repaired:
