@@ -292,6 +292,26 @@ def test_never_lean_where_functorch_transforms_run(
     assert seen[0] == seen[1] == (6, 8)
 
 
+@pytest.mark.parametrize("where", ["under inference_mode", "an inference tensor"])
+def test_never_lean_in_inference_mode(where: str, builds: Any) -> None:
+    """MetaConverter makes a fake under ``inference_mode(t.is_inference())``: a conversion in
+    inference mode, or of an inference tensor, is upstream's (a fake that is not an inference
+    tensor for a normal one, one that is for an inference tensor)."""
+    _lean()
+    _learned(builds, torch.randn(8, 6))
+    if where == "an inference tensor":
+        with torch.inference_mode():
+            t = torch.randn(8, 6)
+        with fake_mode():
+            view = t.t()
+    else:
+        t = torch.randn(8, 6)
+        with torch.inference_mode(), fake_mode():
+            view = t.t()
+    assert builds == []
+    assert torch.equal(view.real_tensor, t.t())
+
+
 def test_a_build_whose_lean_fake_differs_keeps_upstreams(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check made into a scratch converter finds a difference (here: an attribute upstream's
     fake lacks): that kind is never made lean."""

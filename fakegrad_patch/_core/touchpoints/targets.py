@@ -1225,10 +1225,12 @@ class FakeMaker:
 #: storage, finds them, as it finds upstream's) and the ``hit`` counter. MetaConverter suspends
 #: functionalization and functorch's interpreter stack around its work: a lean conversion runs
 #: only where neither is active (``torch._C._functorch.peek_interpreter_stack``, the Functionalize
-#: key). Used only once checked per kind of tensor (device, type, dtype, requires_grad, dispatch
-#: keys): the first conversion of each kind is upstream's, and a lean one of the same tensor made
-#: into a scratch converter must match it (type, dispatch keys, metadata, autograd flags, every
-#: attribute but the values, the memos' entries); any difference keeps upstream's for that kind.
+#: key), and where neither the tensor nor the thread is in inference mode (MetaConverter makes the
+#: fake under ``inference_mode(t.is_inference())``). Used only once checked per kind of tensor
+#: (device, type, dtype, requires_grad, dispatch keys): the first conversion of each kind is
+#: upstream's, and a lean one of the same tensor made into a scratch converter must match it
+#: (type, dispatch keys, metadata, autograd flags, every attribute but the values, the memos'
+#: entries); any difference keeps upstream's for that kind.
 class LeanConversion:
     """``convert(converter, mode, t, values)``: the converter's fake of ``t`` made lean, or None
     (upstream's conversion then); ``learn(...)`` after upstream's conversion of ``t``."""
@@ -1243,6 +1245,7 @@ class LeanConversion:
         self._peek = getattr(functorch, "peek_interpreter_stack", None)
         self._included = getattr(torch._C, "_dispatch_tls_is_dispatch_key_included", None)
         self._functionalize = getattr(getattr(torch._C, "DispatchKey", None), "Functionalize", None)
+        self._inference = torch.is_inference_mode_enabled
         self._types = (torch.Tensor, torch.nn.Parameter)
         self._strided = torch.strided
         self._parameter = torch.nn.Parameter
@@ -1266,6 +1269,8 @@ class LeanConversion:
             return None
         if self._peek() is not None or self._included(self._functionalize):  # type: ignore[misc]
             return None
+        if t.is_inference() or self._inference():
+            return None  # MetaConverter makes the fake under inference_mode(t.is_inference())
         keys = repr(self._keys(t))  # type: ignore[misc]
         return (t.device, type(t), t.dtype, requires_grad, keys)
 
