@@ -327,10 +327,12 @@ def test_a_build_whose_lean_fake_differs_keeps_upstreams(monkeypatch: pytest.Mon
     p = nn.Parameter(torch.randn(4, 3))
     mode = fake_mode()
     fake = mode.from_tensor(p)
-    lean.learn(mode.fake_tensor_converter, mode, p, fake)
-    assert lean._checked == {lean.kind(p): False}
+    kind = lean.kind(p)
+    lean.learn(mode.fake_tensor_converter, mode, p, kind, fake)
+    assert lean._checked == {kind: False}
     other = nn.Parameter(torch.randn(4, 3))
-    assert lean.convert(fake_mode().fake_tensor_converter, mode, other, torch.clone) is None
+    assert lean.kind(other) == kind
+    assert lean.convert(fake_mode().fake_tensor_converter, mode, other, kind, torch.clone) is None
 
 
 def test_a_lean_conversion_is_counted(builds: list[Any]) -> None:

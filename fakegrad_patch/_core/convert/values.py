@@ -36,6 +36,7 @@ they outlive ``uninstall()`` (a later installation reads them). No value is ever
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,6 +153,11 @@ def _lean_values(resolved: Resolved, t: Any, may_lend: bool, d2: bool) -> Any:
         return real
 
 
+def _lean_values_of(values: Values, may_lend: bool) -> Callable[[Any], Any]:
+    """:func:`_lean_values` for a tensor that ``values`` converts."""
+    return lambda t: _lean_values(values._resolved, t, may_lend, values._d2_applies(t, False))
+
+
 class Values:
     """One installation's converter wrapper."""
 
@@ -203,20 +209,18 @@ class Values:
         quiet = _quiet_input(self._is_fake, self._dispatch, mode, args, kwargs)
         may_lend = quiet and _lending.enabled() and _lending.lendable(args[1])
         fake = None
-        lean = self._lean if quiet and getattr(_state.converting, "fast", False) else None
-        if lean is not None:  # the fast path's op input: made lean where checked
-            d2 = self._d2_applies(args[1], False)
-            fake = lean.convert(
-                instance, mode, args[1], lambda t: _lean_values(self._resolved, t, may_lend, d2)
-            )
+        lean: Any = self._lean if quiet and getattr(_state.converting, "fast", False) else None
+        kind = lean.kind(args[1]) if lean is not None else None
+        if kind is not None:  # the fast path's op input: made lean where its kind was checked
+            fake = lean.convert(instance, mode, args[1], kind, _lean_values_of(self, may_lend))
         if fake is None:
             if may_lend:
                 with _lending.Converting(args[1]):  # 2.14+: upstream's copy of it is a loan
                     fake = wrapped(*args, **kwargs)
             else:
                 fake = wrapped(*args, **kwargs)
-            if lean is not None:
-                lean.learn(instance, mode, args[1], fake)
+            if kind is not None:
+                lean.learn(instance, mode, args[1], kind, fake)
         try:
             if getattr(mode, "propagate_real_tensors", False):
                 if kwargs.get("make_constant"):

@@ -139,7 +139,7 @@ def method_sites(
     ``targets.tensor_retain_grad()``, found before the caller's lock). Imports nothing (wrapt is
     imported with this module)."""
     sites = []
-    if "data" not in torch.Tensor.__dict__:
+    if tensor_data is not None:  # Tensor does not define ``data`` itself
         sites.append(
             _sites.Site(
                 torch.Tensor,

@@ -1274,9 +1274,12 @@ class LeanConversion:
         keys = repr(self._keys(t))  # type: ignore[misc]
         return (t.device, type(t), t.dtype, requires_grad, keys)
 
-    def convert(self, converter: Any, mode: Any, t: Any, values: Callable[[Any], Any]) -> Any:
-        kind = self.kind(t)
-        if kind is None or self._checked.get(kind) is not True:
+    def convert(
+        self, converter: Any, mode: Any, t: Any, kind: tuple[Any, ...], values: Callable[[Any], Any]
+    ) -> Any:
+        """``t``'s fake (``kind``: :meth:`kind`), or None: its kind not checked (yet), or known
+        to this converter."""
+        if self._checked.get(kind) is not True:
             return None
         meta_converter = converter.meta_converter
         describer = meta_converter.describer
@@ -1312,11 +1315,10 @@ class LeanConversion:
         meta_converter.hit += 1
         return fake
 
-    def learn(self, converter: Any, mode: Any, t: Any, fake: Any) -> None:
-        """After upstream converted ``t`` into ``fake`` (its first conversion of that kind): a
-        lean conversion of ``t`` into a scratch converter of the same class must match it."""
-        kind = self.kind(t)
-        if kind is None or kind in self._checked:
+    def learn(self, converter: Any, mode: Any, t: Any, kind: tuple[Any, ...], fake: Any) -> None:
+        """After upstream converted ``t`` (of ``kind``) into ``fake``: at the first of its kind,
+        a lean conversion of ``t`` into a scratch converter of the same class must match it."""
+        if kind in self._checked:
             return
         try:
             same = self._same(converter, mode, t, fake)
@@ -1350,25 +1352,20 @@ class LeanConversion:
                 and storage_key(kept) == storage_key(f.untyped_storage())
             )
 
+        def layout(x: Any) -> tuple[Any, ...]:
+            return (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device)
+
         return (
             type(lean) is type(fake)
             and repr(keys(lean)) == repr(keys(fake))  # type: ignore[misc]
             and ours == theirs
-            and (lean.shape, lean.stride(), lean.storage_offset(), lean.dtype, lean.device)
-            == (fake.shape, fake.stride(), fake.storage_offset(), fake.dtype, fake.device)
+            and layout(lean) == layout(fake)
             and (lean.requires_grad, lean.is_leaf, lean._version, lean.grad)
             == (fake.requires_grad, fake.is_leaf, fake._version, fake.grad)
             and lean.untyped_storage().nbytes() == fake.untyped_storage().nbytes()
             and getattr(lean, "grad_dtype", None) == getattr(fake, "grad_dtype", None)
             and type(real) is type(lean_real) is torch.Tensor
-            and (real.shape, real.stride(), real.storage_offset(), real.dtype, real.device)
-            == (
-                lean_real.shape,
-                lean_real.stride(),
-                lean_real.storage_offset(),
-                lean_real.dtype,
-                lean_real.device,
-            )
+            and layout(real) == layout(lean_real)
             and real_storage_of(fake.untyped_storage()) is not None
             and real_storage_of(lean.untyped_storage()) is not None
             and scratch.meta_converter.hit == 1
