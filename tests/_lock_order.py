@@ -140,8 +140,10 @@ def stress(threads: int = 3, steps: int = 20, timeout_s: float = 60.0) -> dict[s
     *wholly installed* when the patch was installed when it started and when it ended, with no
     ``install()``/``uninstall()`` call in between: its gradients must be real and exact. Any
     other step may get upstream's (fake) gradients or none (on a D2 build a forward that
-    straddled ``uninstall()`` is refused), never a wrong real one. Returns the counts; a thread
-    still running after ``timeout_s`` fails (stacks dumped, exit 3) instead of hanging."""
+    straddled ``uninstall()`` is refused), never a wrong real one. At the end ``uninstall()``
+    must leave torch's own functions everywhere (:func:`wrappers_left`: no installation's
+    wrapper stacked under another's). Returns the counts; a thread still running after
+    ``timeout_s`` fails (stacks dumped, exit 3) instead of hanging."""
     import copy
 
     import torch
@@ -220,8 +222,45 @@ def stress(threads: int = 3, steps: int = 20, timeout_s: float = 60.0) -> dict[s
         toggling.join(max(0.0, deadline - time.monotonic()))
     if any(t.is_alive() for t in (*training, toggling)):
         fail(f"threads still running after {timeout_s:.0f} s: {counts}")
+    # after so many re-installs, uninstall() must still leave torch's own functions everywhere
+    # (no installation's wrapper stacked under another's)
+    fakegrad_patch.uninstall()
+    problems += wrappers_left()
     fakegrad_patch.install()
     return {**counts, "problems": sorted(set(problems)), "errors": errors}
+
+
+def wrappers_left() -> list[str]:
+    """After ``uninstall()``: every attribute of the classes and modules the patch wraps that
+    still holds a wrapt wrapper (torch uses none of its own), and ``Tensor.data`` if defined on
+    ``Tensor`` itself (torch defines it on ``TensorBase``)."""
+    import torch
+    import torch._subclasses.fake_tensor as fake_tensor
+    import torch._subclasses.meta_utils as meta_utils
+    import wrapt
+
+    owners: list[Any] = [
+        fake_tensor,
+        fake_tensor.FakeTensorMode,
+        fake_tensor.FakeTensorConverter,
+        fake_tensor.FakeTensor,
+        meta_utils,
+        meta_utils.MetaConverter,
+        torch.Tensor,
+        torch.autograd,
+    ]
+    scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if isinstance(scaler, type):
+        owners.append(scaler)
+    left = [
+        f"{getattr(owner, '__name__', owner)}.{name} still wrapped after uninstall()"
+        for owner in owners
+        for name, value in list(vars(owner).items())
+        if isinstance(value, wrapt.ObjectProxy)
+    ]
+    if "data" in torch.Tensor.__dict__:
+        left.append("Tensor.data still defined on Tensor after uninstall()")
+    return left
 
 
 def main() -> None:

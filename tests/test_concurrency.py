@@ -280,3 +280,72 @@ def test_an_uninstalled_installation_never_wraps_again(via: str) -> None:
         wrapper = new.dispatch._sites[0].wrapper
         assert FakeTensorMode.__dict__["dispatch"] is wrapper  # the installation in force's
     assert is_real(p.grad) and torch.equal(p.grad, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("which", ["FakeTensorMode.dispatch", "torch.autograd.backward"])
+def test_uninstall_returns_with_torch_own_functions_back(which: str) -> None:
+    """``uninstall()`` while another thread applies a change to one of the patch's sites (a mode
+    built or dead there: it holds the site's lock for a moment). Before, ``uninstall()`` handed
+    the close over to that thread and returned with our wrapper still in place; an ``install()``
+    right then took the old wrapper for torch's own function, wrapped it, and put it back for
+    good at its own ``uninstall()``: two installations' wrappers stacked, a removed one's in the
+    path of every later op or backward (seen in the re-install stress test: wrong real
+    gradients, once in ~40 runs). Now ``uninstall()`` returns only with torch's own functions
+    back, and the next installation wraps torch's own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fakegrad_patch._core.install import current
+
+    owner, attr = {
+        "FakeTensorMode.dispatch": (FakeTensorMode, "dispatch"),
+        "torch.autograd.backward": (torch.autograd, "backward"),
+    }[which]
+    fakegrad_patch.install()
+    first = current()
+    assert first is not None
+    p = torch.nn.Parameter(torch.ones(3))
+    mode = fake_mode()
+    with mode:  # a live propagating mode: every site in place
+        (p * 2).sum().backward()
+    site = first.dispatch._sites[0] if attr == "dispatch" else first.backward_site
+    torch_own = site.original
+    assert owner.__dict__[attr] is site.wrapper
+    held, go = threading.Event(), threading.Event()
+    settle = site._settle
+
+    def slow(quiet: bool) -> object:  # the other thread, inside the site's lock
+        held.set()
+        go.wait(10)
+        return settle(quiet)
+
+    site._settle = slow  # type: ignore[method-assign]
+    changing = threading.Thread(target=site.changed)
+    changing.start()
+    assert held.wait(10)
+    site._settle = settle  # type: ignore[method-assign]
+    seen: list[object] = []
+
+    def remove() -> None:
+        fakegrad_patch.uninstall()
+        seen.append(owner.__dict__.get(attr))  # what uninstall() left, as it returns
+        fakegrad_patch.install()  # at once, as the stress test's toggling thread does
+
+    removing = threading.Thread(target=remove)
+    removing.start()
+    removing.join(0.5)
+    go.set()
+    changing.join(10)
+    removing.join(10)
+    assert len(seen) == 1 and seen[0] is torch_own  # identity: a wrapt proxy == what it wraps
+    second = current()
+    assert second is not None and second is not first
+    with mode:  # the second installation's wrappers, over torch's own
+        p.grad = None
+        (p * 3).sum().backward()
+        new = second.dispatch._sites[0] if attr == "dispatch" else second.backward_site
+        assert new.original is torch_own and owner.__dict__[attr] is new.wrapper
+    assert is_real(p.grad) and torch.equal(p.grad, torch.full((3,), 3.0))
+    del mode
+    fakegrad_patch.uninstall()
+    assert owner.__dict__[attr] is torch_own
+    fakegrad_patch.install()

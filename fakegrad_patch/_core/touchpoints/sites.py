@@ -102,12 +102,27 @@ class _Follower:
             self.changed()
 
     def close(self) -> bool:
-        """For ``uninstall()``: torch's own back for good. Returns False when a :class:`Site`
-        finds somebody wrapped over ours (theirs is left in place; ours passes calls through)."""
+        """For ``uninstall()``: torch's own back for good, before this returns. Returns False
+        when a :class:`Site` finds somebody wrapped over ours (theirs is left in place; ours
+        passes calls through).
+
+        Unlike :meth:`changed`, this waits for a thread applying a change right now (a mode
+        built or dead on another thread: a short ``setattr``, no lock of ours taken inside):
+        handing the close over to it let ``uninstall()`` return with our wrapper still in place
+        for a moment, and the next installation then took that wrapper for torch's own function
+        (a site built then reads the attribute), wrapped it, and put it back for good when it
+        was removed in turn (two installations' wrappers stacked: the old one's passed
+        gradients through a removed installation). Never called by a weak reference callback
+        or under this site's lock, so waiting cannot deadlock."""
         self._closed = True
-        self.changed()
+        self._dirty = True
         if self in _started:
             _started.remove(self)
+        with self._lock:
+            self._dirty = False
+            report = self._settle(False)
+        if report is not None:
+            report()  # after releasing: a trace event or a warning may import
         return not self._in_place
 
     def changed(self, *, quiet: bool = False) -> None:
