@@ -287,6 +287,56 @@ def test_a_forward_straddling_uninstall_then_backward_while_uninstalled_is_never
 
 
 @pytest.mark.usefixtures("quiet")
+def test_a_removed_installation_finishing_a_conversion_vouches_for_nothing() -> None:
+    """The re-install stress test's wrong real gradients (tests/_lock_order.py, 2026-12-06): a
+    thread converting a weight through installation A had passed A's ``active`` test when
+    ``uninstall()`` ran on another thread. A's wrapper finished after it: the weight's values
+    repaired, and its first contact with the converter made in the generation ``uninstall()``
+    had just started, marking the converter checked. The forward's next op ran before
+    ``install()``: upstream converted the bias unseen (D2: uninitialised values). The new
+    installation then found the converter checked and wrote real gradients computed from those
+    values. Now each installation starts a generation of its own and checks again: on D2 builds
+    the mode is untrusted (the policy applies: ``error``); elsewhere the gradients equal eager.
+    The interleaving is made by hand: A's wrapper's remaining work runs after ``uninstall()``."""
+    from fakegrad_patch._core.install import current
+
+    model, ref = _mlp(), _mlp()
+    ref(X1).sum().backward()
+    fakegrad_patch.configure(on_missing="error")
+    first = current()
+    assert first is not None
+    d2 = _has_d2()
+    linear = model[0]
+    mode = fake_mode()
+    with trace.capture("warning") as events:
+        try:
+            with mode:
+                conv = mode.fake_tensor_converter
+                fakegrad_patch.uninstall()
+                # A's wrapper, past its `active` test: torch's conversion, then the rest of it
+                weight = conv.from_real_tensor(mode, linear.weight)
+                first.values._propagating(conv, mode, linear.weight, weight, True)
+                # before install(): t() finds the weight's fake in the memo, addmm converts the
+                # bias unseen
+                hidden = linear(X1)
+                fakegrad_patch.install()
+                out = model[2](model[1](hidden)).sum()
+                if d2:
+                    with pytest.raises(fakegrad_patch.FakeGradError, match="could not repair"):
+                        out.backward()
+                else:
+                    out.backward()
+        finally:
+            fakegrad_patch.install()
+    if d2:
+        assert "mode_untrusted" in [e["event"] for e in events]
+        assert all(p.grad is None for p in linear.parameters())
+    else:
+        _assert_grads_equal(model, ref)
+    del weight
+
+
+@pytest.mark.usefixtures("quiet")
 def test_a_mode_used_before_the_first_install_is_not_trusted_on_d2_builds() -> None:
     """``import torch; (use a mode); import fakegrad_patch`` in one process: the same straddle."""
     model = _mlp()

@@ -5,7 +5,8 @@ The first time a converter is met after the patch was applied (again), the tenso
 before are compared with the patch's records (convert/records.py). A Parameter converted while
 the patch was not installed had uninitialised values, so everything its mode computed is
 untrusted: real gradients are not written for that mode (trace, warning, ``on_missing``), never
-silently wrong ones. Once per converter per generation (``uninstall()`` starts a new one).
+silently wrong ones. Once per converter per generation (``uninstall()`` and each installation
+start a new one).
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ _definite: WeakIdTable[int] = WeakIdTable()
 
 
 class _Generation:
-    """Bumped by every uninstall(): conversions may have happened unseen since."""
+    """Bumped by every uninstall() (conversions may happen unseen from then on) and every
+    installation, once its converter wrapper is in place (it checks each converter again at its
+    first contact). A removed installation's wrapper that had passed its ``active`` test before
+    ``uninstall()`` finishes its conversion after it, first contact included: that contact must
+    not count for the next installation (a Parameter converted unseen right after, before the
+    next ``install()``, went unnoticed: wrong real gradients in the re-install stress test;
+    tests/test_multi_mode.py)."""
 
     value = 0
 
@@ -43,7 +50,7 @@ def new_generation() -> None:
 
 
 def generation() -> int:
-    """Bumped by every ``uninstall()``: conversions may have happened unseen since."""
+    """Bumped by every ``uninstall()`` and every installation (:class:`_Generation`)."""
     return _Generation.value
 
 

@@ -18,6 +18,7 @@ import wrapt
 
 from ... import _config, trace
 from ..convert import lending as _lending
+from ..convert import unseen as _unseen
 from ..state import warn_once
 from ..touchpoints.targets import FROM_REAL_TENSOR
 from .first_need import FirstNeed
@@ -134,6 +135,7 @@ class Applied:
         wrapt.wrap_function_wrapper(cls, _ATTR, self.values.from_real_tensor)
         self._wrapper: Any = cls.__dict__[_ATTR]
         self._original: Any = self._wrapper.__wrapped__
+        _unseen.new_generation()  # every conversion seen from here: a generation of its own
 
         self._lending_site = _lend(self.resolved, self.dispatch.watch.owned)
         _ddp.install(self.resolved)  # never raises; DDP left to upstream when it returns False
@@ -238,7 +240,6 @@ class Applied:
         live propagating converter's records get hooks that last until their node dies. Returns
         how many hooks are left to finish."""
         from ..convert import records as _records
-        from ..convert import unseen as _unseen
 
         self.active = False
         self.values.active = False
