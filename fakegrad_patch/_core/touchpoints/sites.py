@@ -106,7 +106,7 @@ class _Follower:
         when a :class:`Site` finds somebody wrapped over ours (theirs is left in place; ours
         passes calls through).
 
-        Unlike :meth:`changed`, this waits for a thread applying a change right now (a mode
+        Unlike other changes, this waits for a thread applying a change right now (a mode
         built or dead on another thread: a short ``setattr``, no lock of ours taken inside):
         handing the close over to it let ``uninstall()`` return with our wrapper still in place
         for a moment, and the next installation then took that wrapper for torch's own function
@@ -115,24 +115,20 @@ class _Follower:
         gradients through a removed installation). Never called by a weak reference callback
         or under this site's lock, so waiting cannot deadlock."""
         self._closed = True
-        self._dirty = True
         if self in _started:
             _started.remove(self)
-        with self._lock:
-            self._dirty = False
-            report = self._settle(False)
-        if report is not None:
-            report()  # after releasing: a trace event or a warning may import
+        self.changed(wait=True)
         return not self._in_place
 
-    def changed(self, *, quiet: bool = False) -> None:
+    def changed(self, *, quiet: bool = False, wait: bool = False) -> None:
         # Lock-free hand-over: record the change, then apply it unless another thread (or this
         # one, below us on the stack) holds the lock; that one re-checks after releasing it.
+        # ``wait`` (close() only): wait for the lock instead, so the change is applied on return.
         self._dirty = True
         if not self._started:
             return
         while self._dirty:
-            if not self._lock.acquire(blocking=False):
+            if not self._lock.acquire(blocking=wait):
                 return
             try:
                 self._dirty = False
