@@ -48,6 +48,7 @@ BUILD_INDEPENDENT = frozenset(
 BUILD_BOUND = frozenset(
     {
         "test_pt2_coexistence.py",
+        "test_pt2_inductor.py",
         "test_can_fail.py",
         "test_scale.py",
         "test_benchmarks_smoke.py",

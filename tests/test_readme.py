@@ -50,7 +50,7 @@ def _tox_ini() -> configparser.ConfigParser:
 
 def test_every_env_the_readme_runs_exists_and_ci_runs_the_env_list() -> None:
     ini = _tox_ini()
-    (suite,) = [b.strip() for b in _blocks("") if " -e lint" in b]
+    (suite,) = [b.strip() for b in _blocks("") if "tox -p " in b]
     envs = suite.rsplit(" -e ", 1)[1].split(",")
     for env in envs:
         assert ini.has_section(f"testenv:{env}"), env
@@ -126,15 +126,12 @@ def _set_env(ini: configparser.ConfigParser, section: str) -> dict[str, str]:
     return values
 
 
-def test_every_test_file_runs_in_an_env_of_the_ci_command() -> None:
-    """Envs leave files to each other (FAKEGRAD_TEST_SCOPE, FAKEGRAD_TEST_ELSEWHERE: issue 26);
-    none may be left out everywhere, and the builds keep what is theirs: every torch build of
-    the CI command runs PT2 coexistence and can_fail, and lowest runs the build-independent
-    files on the lowest wrapt/structlog."""
+def _ci_runs() -> dict[str, set[str]]:
+    """The test files each torch env of the CI command runs (lint and dist left out)."""
     import _scopes
 
     ini = _tox_ini()
-    (suite,) = [b.strip() for b in _blocks("") if " -e lint" in b]
+    (suite,) = [b.strip() for b in _blocks("") if "tox -p " in b]
     envs = [e for e in suite.rsplit(" -e ", 1)[1].split(",") if e not in ("lint", "dist")]
     files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
     runs: dict[str, set[str]] = {}
@@ -144,8 +141,50 @@ def test_every_test_file_runs_in_an_env_of_the_ci_command() -> None:
         assert scope in _scopes.SCOPES, (env, scope)
         left = _scopes.left_out(scope, _scopes.elsewhere(values.get("FAKEGRAD_TEST_ELSEWHERE", "")))
         runs[env] = files - left
+    return runs
+
+
+def _torch_pin(ini: configparser.ConfigParser, section: str) -> str:
+    """The ``torch==X`` an env's ``deps`` pin, ``{[section]deps}`` references followed."""
+    for line in ini[section].get("deps", "").strip().splitlines():
+        line = line.strip()
+        if line.startswith("{[") and line.endswith("]deps}"):
+            found = _torch_pin(ini, line[2 : -len("]deps}")])
+            if found:
+                return found
+        elif line.startswith("torch=="):
+            return line[len("torch==") :]
+    return ""
+
+
+def test_every_test_file_runs_in_an_env_of_the_ci_command() -> None:
+    """Envs leave files to each other (FAKEGRAD_TEST_SCOPE, FAKEGRAD_TEST_ELSEWHERE: issue 26);
+    none may be left out everywhere, and the builds keep what is theirs: every torch build of
+    the CI command runs PT2 coexistence and can_fail, the oldest and the newest build PT2's
+    inductor groups, and lowest runs the build-independent files on the lowest wrapt/structlog."""
+    import _scopes
+
+    runs = _ci_runs()
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
     nowhere = files - set().union(*runs.values())
     assert not nowhere, f"left out by every env of the CI command: {sorted(nowhere)}"
     for env in ("oldest", "torch213", "torch214", "newest"):  # one env per torch build
         assert {"test_pt2_coexistence.py", "test_can_fail.py"} <= runs[env], env
+    for env in ("oldest", "newest"):  # inductor's groups: the extremes (tests/test_pt2_inductor.py)
+        assert "test_pt2_inductor.py" in runs[env], env
     assert runs["lowest"] >= _scopes.BUILD_INDEPENDENT
+
+
+def test_the_ci_builds_run_every_window_of_the_fuzz_gate() -> None:
+    """tests/test_fuzz.py: each build runs one window of seeds; the CI command's builds that run
+    the gate must run every window, each once (no seed of the gate left out, none twice)."""
+    import test_fuzz
+
+    ini = _tox_ini()
+    windows = []
+    for env, files in _ci_runs().items():
+        if "test_fuzz.py" in files:
+            pin = _torch_pin(ini, f"testenv:{env}")
+            assert pin, f"{env}: no torch==X in its deps"
+            windows.append(test_fuzz.gate_seeds(pin)[0] // test_fuzz.WINDOW)
+    assert sorted(windows) == list(range(len(test_fuzz.WINDOWS))), windows
