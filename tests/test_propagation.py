@@ -18,6 +18,7 @@ The ones that fail on upstream torch are listed in test_can_fail.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -594,6 +595,42 @@ def test_a_fast_view_has_its_real_views_metadata_over_the_base_storage(view: str
             if o.dtype == base.dtype:
                 assert o.untyped_storage()._cdata == base.untyped_storage()._cdata
         assert base.untyped_storage().nbytes() == nbytes
+
+
+@pytest.mark.parametrize("view", ["view", "transpose", "diagonal", "split", "real_of_complex"])
+@pytest.mark.parametrize(
+    "where", ["normal base", "normal base in inference mode", "inference base", "both inference"]
+)
+def test_a_fast_view_is_an_inference_tensor_where_eagers_is(view: str, where: str) -> None:
+    """A view is an inference tensor exactly where its base is (inference mode or not, as eager's
+    view); its values are eager's, and it follows its base's version counter where eager's
+    does."""
+    f = VIEWS[view]
+    base_inference = where in ("inference base", "both inference")
+    mode_inference = where in ("normal base in inference mode", "both inference")
+
+    def run(fake: bool) -> tuple[Any, bool, int]:
+        with fake_mode() if fake else contextlib.nullcontext():
+            with torch.inference_mode(base_inference):
+                base = torch.arange(24.0).view(4, 6) * 1
+            with torch.inference_mode(mode_inference):
+                out = f(base)
+                first = out[0] if isinstance(out, tuple | list) else out
+                inference = first.is_inference()
+            if not base.is_inference():
+                with torch.no_grad():
+                    base.add_(1)  # a view of a normal tensor shares its version counter
+            version = None if inference else first._version  # inference: no counter
+            return (_values(first) if fake else first.detach()), inference, version
+
+    got, want = run(True), run(False)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert got[1] == want[1]
+    if (view, where) != ("real_of_complex", "normal base in inference mode"):
+        assert got[2] == want[2]
+    # else: a dtype-changing view takes upstream's path, and upstream's own fake ``.real`` made in
+    # inference mode does not share its base's version counter (0 against eager's 1, with or
+    # without the patch, with or without propagation: FakeTensorMode's, not the patch's)
 
 
 def test_a_view_of_a_real_parameter_converts_it_as_upstream_does() -> None:

@@ -8,8 +8,10 @@ then a cross-check), runs a decomposition's nested ops for real again, and cache
   the real output's sizes, strides, offset, dtype and bits, on its device, holding it (made as
   upstream's constructor makes it, without its Python where the build allows:
   ``targets.FakeMaker``);
-* a **view** runs the real view op, and each fake view is ``as_strided`` over the aliased fake's
-  own storage, inside the mode's kernel invocation: the fakes alias exactly as the real tensors;
+* a **view** runs the real view op, and each fake view is a meta tensor ``set_`` over the
+  aliased fake's own storage with the real view's sizes, strides and offset (what ``as_strided``
+  in the mode's kernel invocation gives, without its dispatch): the fakes alias exactly as the
+  real tensors;
 * an **in-place op** that changes only its first argument's values runs its real kernel on the
   fake's values and returns the fake, its metadata unchanged.
 
@@ -94,7 +96,6 @@ class FastPath:
         self._aliases = aliases
         # optional touch points: absent on a build, the fast path stands aside
         self._from_meta = self.fake_maker = _fake_maker(resolved)
-        self._in_kernel = _targets.resolve_optional(_targets.IN_KERNEL_INVOCATION)
 
     # -- the three kinds ---------------------------------------------------------------------
 
@@ -158,7 +159,7 @@ class FastPath:
         strides, offset and bits over the aliased fake argument's storage. ``CannotRebuild``
         after the real view ran (a copy, a dtype-changing view, out of the fake storage's
         bounds): upstream's view then, with its own values (the real view had no effect)."""
-        if self._in_kernel is None or self._from_meta is None:
+        if self._from_meta is None:
             return NOT_FAST
         op_args = op[0]
         index = facts.view_base
@@ -188,8 +189,13 @@ class FastPath:
             return NOT_FAST
         real_out = self.run(func, reals)
         ptr = storage_ptr(base_real)
-        with self._in_kernel(mode):
-            result = map_tensors(lambda r: self._view_of(mode, base, base_real, ptr, r), real_out)
+        storage = base.untyped_storage()  # the base fake's (meta) storage
+        # every real view lies within the real base's storage: within the fake's if it is as large
+        fits = storage.nbytes() >= base_real.untyped_storage().nbytes()
+        with self._resolved.no_dispatch():
+            result = map_tensors(
+                lambda r: _view_of(self, mode, base, base_real, ptr, storage, fits, r), real_out
+            )
         self._stats.fast(func)
         return result
 
@@ -317,33 +323,51 @@ class FastPath:
             raise CannotRebuild
         return self._from_meta(mode.fake_tensor_converter, mode, meta, device)
 
-    def _view_of(self, mode: Any, base: Any, base_real: Any, ptr: int | None, real: Any) -> Any:
-        """Inside the mode's kernel invocation: the fake view of ``base`` with ``real``'s
-        metadata, holding ``real``; its bits are the base's, toggled where the view op toggled
-        the real ones (``conj()``, ``_neg_view``)."""
-        if (
-            type(real) is not torch.Tensor
-            or real.layout != torch.strided
-            or real.dtype != base.dtype  # view_as_real/complex, .real/.imag, view(dtype)
-            or is_zero(real)
-            or storage_ptr(real) != ptr
-        ):
-            raise CannotRebuild
-        try:
-            meta = torch.ops.aten.as_strided.default(
-                base, real.shape, real.stride(), real.storage_offset()
-            )
-        except RuntimeError:
-            raise CannotRebuild from None
-        fake = self.fake_over(mode, meta, real.device)
-        conj = base.is_conj() != (real.is_conj() != base_real.is_conj())
-        neg = base.is_neg() != (real.is_neg() != base_real.is_neg())
-        if conj != fake.is_conj():
-            set_conj(fake, conj)
-        if neg != fake.is_neg():
-            set_neg(fake, neg)
-        fake.real_tensor = real
-        return fake
+
+def _view_of(
+    path: FastPath,
+    mode: Any,
+    base: Any,
+    base_real: Any,
+    ptr: int | None,
+    storage: Any,
+    fits: bool,
+    real: Any,
+) -> Any:
+    """For :meth:`FastPath.view`, dispatch off: the fake view of ``base`` with ``real``'s
+    metadata, holding ``real``: a meta tensor ``set_`` over the base fake's own storage (what
+    ``as_strided`` on the base gives inside the mode's kernel invocation, without the
+    dispatch); its bits are the base's, toggled where the view op toggled the real ones
+    (``conj()``, ``_neg_view``). ``fits``: the base fake's storage is as large as the real
+    base's (else the view is checked against it: ``set_`` would grow it)."""
+    if (
+        type(real) is not torch.Tensor
+        or real.layout != torch.strided
+        or real.dtype != base.dtype  # view_as_real/complex, .real/.imag, view(dtype)
+        or is_zero(real)
+        or storage_ptr(real) != ptr
+        or (not fits and extent(real) * real.element_size() > storage.nbytes())
+    ):
+        raise CannotRebuild
+    inference = base.is_inference()  # a view is an inference tensor iff its base is
+    if inference != torch.is_inference_mode_enabled():
+        with torch.inference_mode(inference):
+            meta = torch.empty(0, dtype=real.dtype, device="meta")
+    else:
+        meta = torch.empty(0, dtype=real.dtype, device="meta")
+    try:
+        meta.set_(storage, real.storage_offset(), real.shape, real.stride())
+    except RuntimeError:
+        raise CannotRebuild from None
+    fake = path.fake_over(mode, meta, real.device)
+    conj = base.is_conj() != (real.is_conj() != base_real.is_conj())
+    neg = base.is_neg() != (real.is_neg() != base_real.is_neg())
+    if conj != fake.is_conj():
+        set_conj(fake, conj)
+    if neg != fake.is_neg():
+        set_neg(fake, neg)
+    fake.real_tensor = real
+    return fake
 
 
 def _other_fake(path: FastPath, mode: Any, real: Any) -> Any:

@@ -31,7 +31,7 @@ class CannotRebuild(Exception):
 def storage_ptr(t: Any) -> int | None:
     """The data pointer of a real strided tensor's storage (None: no tensor, not strided, meta),
     computed from the tensor's own pointer (``untyped_storage()`` costs microseconds)."""
-    if t is None or t.layout != torch.strided or t.device.type == "meta":
+    if t is None or t.layout != torch.strided or t.is_meta:  # is_meta: no device object made
         return None
     return int(t.data_ptr() - t.storage_offset() * t.element_size())
 

@@ -543,10 +543,11 @@ def sparse_meta_like(real: Any) -> Any:
 
 
 #: CALLED, OPTIONAL. ``in_kernel_invocation_manager(fake_mode)``: the context FakeTensorMode runs
-#: meta kernels in (its fakes dispatch as meta tensors; Python dispatch off). The fast path makes
-#: a fake view with ``aten.as_strided`` on the aliased fake inside it, the way upstream runs a
-#: view's meta kernel, and wraps the meta view with FROM_META_AND_DEVICE. Same name and
-#: signature on 2.4.0 ... 2.15.0. Absent: views take upstream's path.
+#: meta kernels in (its fakes dispatch as meta tensors; Python dispatch off). The repairs run
+#: meta kernels on fakes inside it as upstream does: a written fake restrided to its real values'
+#: layout (``as_strided_``), the refused ops' metadata changes. (The fast path's fake views no
+#: longer use it, since issue 46: a meta tensor ``set_`` over the aliased fake's storage, no
+#: dispatch.) Same name and signature on 2.4.0 ... 2.15.0. Absent: those repairs stand aside.
 IN_KERNEL_INVOCATION = Target(
     FAKE_TENSOR_MODULE,
     "in_kernel_invocation_manager",
