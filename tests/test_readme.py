@@ -48,10 +48,15 @@ def _tox_ini() -> configparser.ConfigParser:
     return ini
 
 
+def _suite_envs() -> list[str]:
+    """The envs of the README's test command (``tox -p ... -e a,b,...``), in its order."""
+    (suite,) = [b.strip() for b in _blocks("") if "tox -p " in b]
+    return suite.rsplit(" -e ", 1)[1].split(",")
+
+
 def test_every_env_the_readme_runs_exists_and_ci_runs_the_env_list() -> None:
     ini = _tox_ini()
-    (suite,) = [b.strip() for b in _blocks("") if "tox -p " in b]
-    envs = suite.rsplit(" -e ", 1)[1].split(",")
+    envs = _suite_envs()
     for env in envs:
         assert ini.has_section(f"testenv:{env}"), env
     env_list = [e.strip() for e in ini["tox"]["env_list"].split(",")]
@@ -112,18 +117,25 @@ def test_readme_example_runs_and_ends_with_eager_gradients(tmp_path: pathlib.Pat
     assert out.stdout.splitlines()[-1] == "ok"
 
 
-def _set_env(ini: configparser.ConfigParser, section: str) -> dict[str, str]:
-    """An env's ``set_env``, with tox's ``{[section]set_env}`` references expanded."""
-    values: dict[str, str] = {}
-    raw = ini[section].get("set_env", "") if ini.has_section(section) else ""
+def _lines(ini: configparser.ConfigParser, section: str, key: str) -> list[str]:
+    """An env's ``key`` (``set_env``, ``deps``) line by line, tox's ``{[section]key}``
+    references expanded in place."""
+    raw = ini[section].get(key, "") if ini.has_section(section) else ""
+    ref = f"]{key}}}"
+    out: list[str] = []
     for line in raw.strip().splitlines():
         line = line.strip()
-        if line.startswith("{[") and line.endswith("]set_env}"):
-            values.update(_set_env(ini, line[2 : -len("]set_env}")]))
-        elif "=" in line:
-            key, value = line.split("=", 1)
-            values[key.strip()] = value.strip()
-    return values
+        if line.startswith("{[") and line.endswith(ref):
+            out += _lines(ini, line[2 : -len(ref)], key)
+        elif line:
+            out.append(line)
+    return out
+
+
+def _set_env(ini: configparser.ConfigParser, section: str) -> dict[str, str]:
+    """An env's ``set_env``, with tox's ``{[section]set_env}`` references expanded."""
+    pairs = (line.split("=", 1) for line in _lines(ini, section, "set_env") if "=" in line)
+    return {key.strip(): value.strip() for key, value in pairs}
 
 
 def _ci_runs() -> dict[str, set[str]]:
@@ -131,8 +143,7 @@ def _ci_runs() -> dict[str, set[str]]:
     import _scopes
 
     ini = _tox_ini()
-    (suite,) = [b.strip() for b in _blocks("") if "tox -p " in b]
-    envs = [e for e in suite.rsplit(" -e ", 1)[1].split(",") if e not in ("lint", "dist")]
+    envs = [e for e in _suite_envs() if e not in ("lint", "dist")]
     files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
     runs: dict[str, set[str]] = {}
     for env in envs:
@@ -146,15 +157,8 @@ def _ci_runs() -> dict[str, set[str]]:
 
 def _torch_pin(ini: configparser.ConfigParser, section: str) -> str:
     """The ``torch==X`` an env's ``deps`` pin, ``{[section]deps}`` references followed."""
-    for line in ini[section].get("deps", "").strip().splitlines():
-        line = line.strip()
-        if line.startswith("{[") and line.endswith("]deps}"):
-            found = _torch_pin(ini, line[2 : -len("]deps}")])
-            if found:
-                return found
-        elif line.startswith("torch=="):
-            return line[len("torch==") :]
-    return ""
+    pins = [line for line in _lines(ini, section, "deps") if line.startswith("torch==")]
+    return pins[0][len("torch==") :] if pins else ""
 
 
 def test_every_test_file_runs_in_an_env_of_the_ci_command() -> None:
