@@ -216,8 +216,9 @@ def _note(
 
 
 def _per_op_note(case: str, benches: list[dict[str, Any]], variant: str, delta: float) -> str:
-    """P19: the extra cost per aten op over eager, and ``patched / two-pass``; P20: each
-    variant's cost per aten op (the baseline's beside it)."""
+    """P19: the extra cost per aten op over eager, ``patched / two-pass`` and ``patched / fake
+    floor``; P20: each variant's cost per aten op (the baseline's beside it), and ``patched /
+    fake floor``."""
     ops = _first(_infos(benches, variant), "aten_ops")
     if not ops:
         return ""
@@ -227,16 +228,22 @@ def _per_op_note(case: str, benches: list[dict[str, Any]], variant: str, delta: 
         )
         for v in {b["extra_info"]["variant"] for b in benches}
     }
+    floor = medians.get("fake floor")
     if case == "P19":
         text = f"{ops} aten ops; {delta / ops * 1e6:+.1f} µs per op over eager"
         if variant == "patched" and medians.get("two-pass"):
             text += f"; patched / two-pass {medians['patched'] / medians['two-pass']:.3f}"
+        if variant == "patched" and floor:
+            text += f"; patched / fake floor {medians['patched'] / floor:.3f}"
         return text
     baseline = benches[0]["extra_info"]["baseline"]
-    return (
+    text = (
         f"{ops} aten ops; {medians[variant] / ops * 1e6:.1f} µs per op "
         f"({baseline} {medians[baseline] / ops * 1e6:.1f})"
     )
+    if variant == "patched" and floor:
+        text += f"; patched / fake floor {medians['patched'] / floor:.2f}"
+    return text
 
 
 def _met(case: str, goal: Any, ratio: float, benches: list[dict[str, Any]], variant: str) -> str:

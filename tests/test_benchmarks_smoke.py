@@ -111,6 +111,15 @@ def test_benchmarks_run_in_smoke_mode(tmp_path: Path) -> None:
     # the set path read against its floor, the least a set path costs in the same step
     assert any("set floor, torch alone" in x and "the least a set path" in x for x in lines), table
     assert any("64 leaves x 1KiB" in x and "x the set floor;" in x for x in lines), table
+    # P19 / P20 read against the fake floor (the least a FakeTensor-making mode does per op),
+    # where the floor runs on this build; else its rows are skipped, and the table says why
+    floor_skips = [s for s in doc["fakegrad_patch"]["skipped"] if "fake floor" in s["reason"]]
+    for case, other in (("P19", "eager"), ("P20", "pass-through")):
+        per_op = [line for line in table.splitlines() if line.startswith(f"| {case} | cpu")]
+        if any(s["case"] == case for s in floor_skips):
+            continue
+        assert any(f"fake floor / {other}" in x for x in per_op), table
+        assert any(f"patched / {other}" in x and "patched / fake floor" in x for x in per_op), table
 
 
 class _Config:
