@@ -21,6 +21,7 @@ BUILD_INDEPENDENT = frozenset(
     {
         "test_activation.py",
         "test_startup_hook.py",
+        "test_import_order.py",
         "test_sitecustomize_append.py",
         "test_settings_validation.py",
         "test_pytest_plugin.py",

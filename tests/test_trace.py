@@ -46,6 +46,7 @@ GRAD_KEYS = (
 SCHEMA: dict[str, tuple[str, set[str]]] = {
     "patch_installed": ("info", ENVELOPE | {"torch", "target", "defects"}),
     "patch_skipped": ("warning", ENVELOPE | {"torch", "reason"}),
+    "patch_deferred": ("info", ENVELOPE | {"torch", "reason"}),
     "patch_uninstalled": ("info", ENVELOPE | {"hooks_removed", "hooks_left"}),
     "defect_probed": ("info", ENVELOPE | {"defect", "present"}),
     "d2_repaired": ("info", ENVELOPE | {"leaf_id", "name", "shape", "dtype", "device", "bytes"}),

@@ -49,6 +49,7 @@ KNOWN_EVENTS = frozenset(
     {
         "patch_installed",
         "patch_skipped",
+        "patch_deferred",
         "patch_uninstalled",
         "defect_probed",
         "d2_repaired",

@@ -28,7 +28,13 @@ else:
 
 from ... import _config, trace
 from ..state import set_current, warn_once
-from ..touchpoints.targets import FAKE_TENSOR_MODULE, FROM_REAL_TENSOR, MissingTargetError
+from ..touchpoints.targets import (
+    FAKE_MODE_INIT,
+    FAKE_TENSOR_MODULE,
+    FROM_REAL_TENSOR,
+    MissingTargetError,
+    resolve,
+)
 
 if TYPE_CHECKING:
     from .applied import Applied
@@ -49,6 +55,11 @@ class _State:
         self.fake_tensor_loaded = False
         #: installations removed so far (uninstall() says whether its call removed one)
         self.removals = 0
+        #: applying waits for a module of this package that was importing when torch finished
+        #: (it imported torch at its top): (FakeTensorMode, its ``__init__``, the one-shot
+        #: ``__init__`` that applies the patch first), and why, for status()
+        self.deferred: tuple[Any, Any, Any] | None = None
+        self.deferred_reason: str | None = None
 
 
 _state = _State()
@@ -175,6 +186,7 @@ def _apply() -> bool:
     import torch
 
     version = torch.__version__
+    _undefer()  # torch's own ``__init__`` back before anything wraps it
     try:
         from .applied import Applied
 
@@ -183,12 +195,17 @@ def _apply() -> bool:
         _skip(_why_missing(exc, version), version)
         return False
     except Exception as exc:  # never break the host
-        _skip(f"unexpected {type(exc).__name__}: {exc}", version)
+        # a module of ours half-made (ImportError, or AttributeError from ``module.name``):
+        # retried at the first mode; a failure of another cause is reported then
+        importing = _ours_importing()
+        if not (importing and _defer(importing, version)):
+            _skip(f"unexpected {type(exc).__name__}: {exc}", version)
         return False
     with _lock:
         _state.applied = applied
         set_current(applied)
         _state.skipped_reason = None
+        _state.deferred_reason = None
     if trace.enabled(trace.INFO):
         trace.emit(
             "patch_installed",
@@ -198,6 +215,58 @@ def _apply() -> bool:
             defects=applied.probes.known(),
         )
     return True
+
+
+def _ours_importing() -> list[str]:
+    """The modules of this package (not the package itself) whose import is under way: one of
+    them imported torch at its top (a private module imported before torch), and applying now
+    would import it half-made."""
+    package = _CORE.rpartition(".")[0] + "."
+    return sorted(
+        name
+        for name, module in list(sys.modules.items())
+        if name.startswith(package)
+        and getattr(getattr(module, "__spec__", None), "_initializing", False)
+    )
+
+
+def _defer(importing: list[str], version: str) -> bool:
+    """Apply at the first ``FakeTensorMode`` built (or the next ``install()``) instead of now:
+    ``importing`` must finish first. A one-shot ``FakeTensorMode.__init__`` of ours applies the
+    patch, puts torch's back and builds the mode with whatever is in place then. False where
+    the class cannot be found (the caller then warns, as for any failure)."""
+    try:
+        cls = resolve(FAKE_MODE_INIT, owner_only=True)  # loaded: its post-import hook ran
+    except MissingTargetError:
+        return False
+    original = cls.__dict__.get("__init__")
+    if original is None:
+        return False
+
+    def first_mode(self: Any, *args: Any, **kwargs: Any) -> None:
+        _undefer()
+        _converge(wait=True)
+        cls.__init__(self, *args, **kwargs)  # the patch's wrapper now, or torch's own
+
+    reason = f"waiting for {', '.join(importing)} to finish importing (it imported torch)"
+    with _lock:
+        if _state.deferred is None:
+            _state.deferred = (cls, original, first_mode)
+            cls.__init__ = first_mode
+        _state.deferred_reason = reason
+    if trace.enabled(trace.INFO):
+        trace.emit("patch_deferred", trace.INFO, torch=version, reason=reason)
+    return True
+
+
+def _undefer() -> None:
+    """Torch's ``FakeTensorMode.__init__`` back where the deferral put the one-shot (once)."""
+    with _lock:
+        deferred, _state.deferred = _state.deferred, None
+    if deferred is not None:
+        cls, original, first_mode = deferred
+        if cls.__dict__.get("__init__") is first_mode:
+            cls.__init__ = original
 
 
 def _remove(applied: Applied) -> None:
@@ -278,6 +347,8 @@ def status() -> dict[str, Any]:
             _state.wanted and applied is None and wrapt is not None and not _torch_ready()
         ),
         "skipped_reason": _state.skipped_reason,
+        # applied at the first FakeTensorMode built (a module of ours imported torch)
+        "deferred": _state.deferred_reason,
         "armed_leaves": _armed_count(),
         "defects": applied.probes.known() if applied else {},
         # None until first need (probe D1); False: upstream is fixed, the patch stands aside

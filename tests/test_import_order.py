@@ -1,0 +1,175 @@
+"""A module of ours imported before torch, after ``import fakegrad_patch``, that imports torch at
+its top (a private one: ``fakegrad_patch._core.dispatch.fast``; a tool: ``fakegrad_patch._tools.
+verify``): torch's import runs the post-import hook while that module is half-made. Applying then
+would import it half-made (0.4: an ImportError, "not patching", the patch never applied). Now the
+patch waits for the first FakeTensorMode built (or the next ``install()``), says so in
+``status()['deferred']`` and the trace (``patch_deferred``), and then applies, with no warning.
+
+One fresh interpreter per case: which module, what comes first after it (a propagating mode, a
+subclass of FakeTensorMode, ``install()``, ``uninstall()``, four threads building modes at once).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_trace import check_schema
+
+PRELUDE = """
+import json, sys, threading, warnings
+warnings.simplefilter("always")
+caught = []
+warnings.showwarning = lambda message, *a, **k: caught.append(str(message))
+import fakegrad_patch
+{setup}
+with fakegrad_patch.trace.capture("info") as events:
+    import {module}
+assert "torch" in sys.modules, "{module} did not import torch"
+before = fakegrad_patch.status()
+import torch
+import torch._functorch.config as fc
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+def step(cls=FakeTensorMode):
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    with fc.patch(fake_tensor_propagate_real_tensors=True):
+        mode = cls(allow_non_fake_inputs=True)
+    with mode:
+        (w * w).sum().backward()
+    return "fake" if isinstance(w.grad, FakeTensor) else w.grad.tolist()
+
+def init_state():
+    # FakeTensorMode.__init__: the one-shot ("shim"), the patch's wrapper over torch's own
+    # ("patch", once), or torch's own ("torch")
+    init = FakeTensorMode.__dict__["__init__"]
+    if "first_mode" in getattr(init, "__qualname__", ""):
+        return "shim"
+    if type(init).__name__ == "FunctionWrapper":
+        inner = init.__wrapped__
+        return "patch" if type(inner).__name__ == "function" else "patch over " + repr(inner)
+    return "torch"
+"""
+
+REPORT = """
+print(json.dumps({
+    "deferred_before": before["deferred"],
+    "installed_before": before["installed"],
+    "installed": fakegrad_patch.is_installed(),
+    "deferred_after": fakegrad_patch.status()["deferred"],
+    "skipped": fakegrad_patch.status()["skipped_reason"],
+    "init": init_state(),
+    "grads": grads,
+    "warnings": [w for w in caught if "fakegrad" in w],
+    "events": [e for e in events if e["event"].startswith("patch_")],
+}))
+"""
+
+
+def run(module: str, body: str, setup: str = "") -> dict:
+    code = PRELUDE.format(module=module, setup=setup) + body + REPORT
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+EXPECTED = [2.0, 4.0, 6.0]
+
+#: modules of ours that import torch at their top, in the patch's own import graph (a dispatch
+#: part, a conversion part, accumulation, a probe of the touch points, the installation's root)
+IN_THE_PATCH = [
+    "fakegrad_patch._core.dispatch.fast",
+    "fakegrad_patch._core.convert.values",
+    "fakegrad_patch._core.accumulate.hooks",
+    "fakegrad_patch._core.touchpoints.probes",
+    "fakegrad_patch._core.install.applied",
+]
+
+
+@pytest.mark.parametrize("module", IN_THE_PATCH)
+def test_the_patch_waits_for_the_first_mode_and_applies_then(module: str) -> None:
+    out = run(module, "grads = [step()]\n")
+    assert not out["installed_before"]
+    assert module in (out["deferred_before"] or ""), out
+    assert out["installed"] and out["deferred_after"] is None and out["skipped"] is None, out
+    assert out["grads"] == [EXPECTED], out  # the first mode was built by the patch's __init__
+    assert out["warnings"] == [] and out["init"] == "patch", out
+    deferred = [e for e in out["events"] if e["event"] == "patch_deferred"]
+    assert len(deferred) == 1 and module in deferred[0]["reason"], out["events"]
+    for event in out["events"]:
+        check_schema(event)
+
+
+def test_a_module_outside_the_patch_applies_at_once() -> None:
+    """A tool (``_tools.verify``) is not imported by the patch: applying does not wait."""
+    out = run("fakegrad_patch._tools.verify", "grads = [step()]\n")
+    assert out["installed_before"] and out["deferred_before"] is None, out
+    assert out["grads"] == [EXPECTED] and out["warnings"] == [], out
+
+
+def test_a_subclass_built_first_applies_it() -> None:
+    body = (
+        "class Mine(FakeTensorMode):\n"
+        "    def __init__(self, **kw):\n"
+        "        super().__init__(**kw)\n"
+        "        self.mine = True\n"
+        "grads = [step(Mine), step()]\n"
+    )
+    out = run("fakegrad_patch._core.dispatch.fast", body)
+    assert out["installed"] and out["grads"] == [EXPECTED, EXPECTED], out
+    assert out["warnings"] == [], out
+
+
+def test_install_applies_it_before_any_mode() -> None:
+    body = "applied = fakegrad_patch.install()\nassert applied\ngrads = [step()]\n"
+    out = run("fakegrad_patch._core.dispatch.fast", body)
+    assert out["deferred_before"] and out["installed"] and out["deferred_after"] is None, out
+    assert out["grads"] == [EXPECTED] and out["warnings"] == [], out
+
+
+def test_uninstall_before_the_first_mode_leaves_torch_alone() -> None:
+    """``uninstall()`` while waiting: the first mode applies nothing (upstream's fake gradient),
+    and torch's own ``__init__`` is back."""
+    body = "fakegrad_patch.uninstall()\ngrads = [step()]\n"
+    out = run("fakegrad_patch._core.dispatch.fast", body)
+    assert not out["installed"] and out["init"] == "torch", out
+    assert out["grads"] == ["fake"] and out["warnings"] == [], out
+
+
+def test_threads_building_the_first_modes_at_once_apply_it_once() -> None:
+    body = (
+        "grads = []\n"
+        "barrier = threading.Barrier(4)\n"
+        "def worker():\n"
+        "    barrier.wait()\n"
+        "    grads.append(step())\n"
+        "threads = [threading.Thread(target=worker) for _ in range(4)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+    )
+    out = run("fakegrad_patch._core.dispatch.fast", body)
+    assert out["installed"] and out["grads"] == [EXPECTED] * 4, out
+    assert out["warnings"] == [] and out["init"] == "patch", out
+
+
+def test_a_failure_of_another_cause_is_reported_at_the_first_mode() -> None:
+    """Applying fails for a reason of its own while a module of ours imports: deferred, then
+    reported at the retry (one warning, torch left as it was), never silent."""
+    setup = (
+        "import types\n"
+        "stub = types.ModuleType('fakegrad_patch._core.install.applied')\n"
+        "def broken():\n"
+        "    raise RuntimeError('broken on purpose')\n"
+        "stub.Applied = broken\n"
+        "sys.modules[stub.__name__] = stub\n"
+    )
+    out = run("fakegrad_patch._core.dispatch.fast", "grads = [step()]\n", setup)
+    assert "fakegrad_patch._core.dispatch.fast" in (out["deferred_before"] or ""), out
+    assert not out["installed"] and out["init"] == "torch" and out["grads"] == ["fake"], out
+    assert "broken on purpose" in (out["skipped"] or ""), out
+    assert len(out["warnings"]) == 1 and "not patching" in out["warnings"][0], out
