@@ -133,12 +133,12 @@ def test_install_applies_it_before_any_mode() -> None:
 
 
 def test_uninstall_before_the_first_mode_leaves_torch_alone() -> None:
-    """``uninstall()`` while waiting: the first mode applies nothing (upstream's fake gradient),
-    and torch's own ``__init__`` is back."""
-    body = "fakegrad_patch.uninstall()\ngrads = [step()]\n"
+    """``uninstall()`` while waiting: torch's own ``__init__`` back at once, and the first mode
+    applies nothing (upstream's fake gradient)."""
+    body = "fakegrad_patch.uninstall()\ngrads = [init_state(), step()]\n"
     out = run("fakegrad_patch._core.dispatch.fast", body)
-    assert not out["installed"] and out["init"] == "torch", out
-    assert out["grads"] == ["fake"] and out["warnings"] == [], out
+    assert not out["installed"] and out["init"] == "torch" and out["deferred_after"] is None, out
+    assert out["grads"] == ["torch", "fake"] and out["warnings"] == [], out
 
 
 def test_threads_building_the_first_modes_at_once_apply_it_once() -> None:

@@ -315,6 +315,9 @@ def uninstall() -> bool:
         had = _state.applied is not None
         removals = _state.removals
     _converge(wait=True)
+    _undefer()  # waiting to apply (a module of ours was importing): torch's __init__ back now
+    with _lock:
+        _state.deferred_reason = None
     return had or _state.removals > removals
 
 
