@@ -426,7 +426,10 @@ RECORD_FUNCTION_FAST = Target(
 #: written back). Cost: one call per mode built (none per op). Same name on 2.13.0 and 2.14.1.
 #: Absent: the interception is in place for the whole installation (0.3's behaviour), and
 #: ``dispatch`` is wrapped at the first propagating conversion (the very first op's direct writes
-#: are still seen through the converting frame).
+#: are still seen through the converting frame). Also WRITTEN by the installation alone when it
+#: must wait (torch finished importing inside the import of a module of ours: applying then would
+#: import that module half-made): a one-shot function of ours in the class's ``__init__`` applies
+#: the patch and puts torch's back at the first mode built (install/__init__.py ``_defer``).
 FAKE_MODE_INIT = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorMode.__init__",
