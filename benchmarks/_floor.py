@@ -32,15 +32,18 @@ _ATTRS: dict[Any, dict[str, Any]] = {}
 
 
 @functools.cache
-def available() -> str | None:
-    """None where the floor can be built on this torch, else why not."""
+def available(device: str = "cpu") -> str | None:
+    """None where the floor can be built on this torch and ``device``, else why not."""
     try:
+        ones = torch.ones(2, device=device)
         with FakeFloor() as mode:
-            out = torch.ones(2) + 1
+            out = ones + 1
         if type(out) is not FakeTensor or out.fake_mode is not mode:
             return "the floor mode did not return its own FakeTensor"
-        if not torch.equal(out.real_tensor, torch.full((2,), 2.0)):
-            return "the floor mode's values are wrong"
+        if out.device != ones.device or not torch.equal(
+            out.real_tensor.cpu(), torch.full((2,), 2.0)
+        ):
+            return "the floor mode's device or values are wrong"
     except Exception as exc:  # a private name moved: no floor rows on this build
         return f"the floor mode cannot run here: {type(exc).__name__}: {exc}"
     return None

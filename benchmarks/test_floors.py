@@ -169,7 +169,7 @@ def _timed(variant: str, model: nn.Module, inputs: Any, loss_fn: Any) -> Callabl
 def _floor_or_skip(case: str, detail: str, device: str, variant: str) -> None:
     """Skip the fake floor's slot, said in the table, where it cannot run on this build."""
     if variant == "fake floor":
-        why = _floor.available()
+        why = _floor.available(device)
         if why is not None:
             _support.skip_case(case, detail, device, f"fake floor: {why}")
 

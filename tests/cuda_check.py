@@ -72,8 +72,14 @@ BENCH_CASES = {
         "test_per_leaf.py::test_p12_set_floor",
     ],
     "P15": ["test_write_back.py::test_p15_write_back"],
-    "P18": ["test_propagating_step.py::test_p18_one_propagating_pass"],
-    "P19": ["test_floors.py::test_p19_step_against_eager"],
+    "P18": [
+        "test_propagating_step.py::test_p18_one_propagating_pass",
+        "test_propagating_step.py::test_p18_real_step_after_a_session",
+    ],
+    "P19": [
+        "test_floors.py::test_p19_step_against_eager",
+        "test_floors.py::test_p19_zoo_step_against_eager",
+    ],
     "P20": ["test_floors.py::test_p20_per_op_against_a_pass_through_mode"],
 }
 REQUIRED = ("torch", "wrapt", "structlog", "pytest")

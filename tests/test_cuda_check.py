@@ -102,6 +102,21 @@ def test_dry_run_covers_every_cuda_family_and_skips_each_case(tmp_path: Path) ->
     assert "tests/test_recurrent.py | test_recurrent_module_trains_like_eager |" in table
 
 
+def test_every_function_of_a_benchmark_case_is_in_the_command() -> None:
+    """A case split over several functions (P19's four models and the zoo) runs whole on CUDA:
+    every benchmark function named after a case the command runs (``test_p19_...``) is listed."""
+    import re
+
+    cases = _cuda_check().BENCH_CASES
+    listed = {f for functions in cases.values() for f in functions}
+    found = set()
+    for path in sorted((ROOT / "benchmarks").glob("test_*.py")):
+        for name in re.findall(r"^def (test_p(\d+)_\w+)\(", path.read_text(), re.MULTILINE):
+            if f"P{name[1]}" in cases:
+                found.add(f"{path.name}::{name[0]}")
+    assert found and found <= listed, found - listed
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
 def test_without_a_gpu_it_refuses_unless_asked(tmp_path: Path) -> None:
     run = subprocess.run(
