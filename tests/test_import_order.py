@@ -18,6 +18,8 @@ import sys
 import pytest
 from test_trace import check_schema
 
+pytestmark = pytest.mark.slow  # fresh interpreters
+
 PRELUDE = """
 import json, sys, threading, warnings
 warnings.simplefilter("always")
@@ -80,24 +82,13 @@ def run(module: str, body: str, setup: str = "") -> dict:
 
 EXPECTED = [2.0, 4.0, 6.0]
 
-#: modules of ours that import torch at their top, in the patch's own import graph (a dispatch
-#: part, a conversion part, accumulation, a probe of the touch points, the installation's root)
-IN_THE_PATCH = [
-    "fakegrad_patch._core.dispatch.fast",
-    "fakegrad_patch._core.convert.values",
-    "fakegrad_patch._core.accumulate.hooks",
-    "fakegrad_patch._core.touchpoints.probes",
-    "fakegrad_patch._core.install.applied",
-]
 
-
-@pytest.mark.parametrize("module", IN_THE_PATCH)
-def test_the_patch_waits_for_the_first_mode_and_applies_then(module: str) -> None:
-    out = run(module, "grads = [step()]\n")
-    assert not out["installed_before"]
+def waited_then_applied(out: dict, module: str) -> None:
+    """``module`` made the patch wait (said in ``status()`` and in one ``patch_deferred``
+    event), and the patch is applied now, by its own wrapper, with no warning."""
+    assert not out["installed_before"], out
     assert module in (out["deferred_before"] or ""), out
     assert out["installed"] and out["deferred_after"] is None and out["skipped"] is None, out
-    assert out["grads"] == [EXPECTED], out  # the first mode was built by the patch's __init__
     assert out["warnings"] == [] and out["init"] == "patch", out
     deferred = [e for e in out["events"] if e["event"] == "patch_deferred"]
     assert len(deferred) == 1 and module in deferred[0]["reason"], out["events"]
@@ -105,14 +96,36 @@ def test_the_patch_waits_for_the_first_mode_and_applies_then(module: str) -> Non
         check_schema(event)
 
 
-def test_a_module_outside_the_patch_applies_at_once() -> None:
-    """A tool (``_tools.verify``) is not imported by the patch: applying does not wait."""
-    out = run("fakegrad_patch._tools.verify", "grads = [step()]\n")
-    assert out["installed_before"] and out["deferred_before"] is None, out
-    assert out["grads"] == [EXPECTED] and out["warnings"] == [], out
+# The family: modules of ours that import torch at their top, in the patch's own import graph (a
+# dispatch part, a conversion part whose half-made state raises AttributeError, not ImportError,
+# accumulation, a probe of the touch points, the installation's root), each first in a fresh
+# interpreter, each met by a different first call (a mode, install(), a subclass, four threads).
 
 
-def test_a_subclass_built_first_applies_it() -> None:
+def test_a_dispatch_part_waits_for_the_first_mode() -> None:
+    module = "fakegrad_patch._core.dispatch.fast"
+    out = run(module, "grads = [step()]\n")
+    waited_then_applied(out, module)
+    assert out["grads"] == [EXPECTED], out  # the first mode was built by the patch's __init__
+
+
+def test_accumulation_waits_for_the_first_mode() -> None:
+    module = "fakegrad_patch._core.accumulate.hooks"
+    out = run(module, "grads = [step()]\n")
+    waited_then_applied(out, module)
+    assert out["grads"] == [EXPECTED], out
+
+
+def test_a_touch_point_probe_waits_for_install() -> None:
+    module = "fakegrad_patch._core.touchpoints.probes"
+    body = "applied = fakegrad_patch.install()\nassert applied\ngrads = [step()]\n"
+    out = run(module, body)
+    waited_then_applied(out, module)
+    assert out["grads"] == [EXPECTED], out
+
+
+def test_the_installation_root_waits_for_a_subclass_built_first() -> None:
+    module = "fakegrad_patch._core.install.applied"
     body = (
         "class Mine(FakeTensorMode):\n"
         "    def __init__(self, **kw):\n"
@@ -120,28 +133,13 @@ def test_a_subclass_built_first_applies_it() -> None:
         "        self.mine = True\n"
         "grads = [step(Mine), step()]\n"
     )
-    out = run("fakegrad_patch._core.dispatch.fast", body)
-    assert out["installed"] and out["grads"] == [EXPECTED, EXPECTED], out
-    assert out["warnings"] == [], out
+    out = run(module, body)
+    waited_then_applied(out, module)
+    assert out["grads"] == [EXPECTED, EXPECTED], out
 
 
-def test_install_applies_it_before_any_mode() -> None:
-    body = "applied = fakegrad_patch.install()\nassert applied\ngrads = [step()]\n"
-    out = run("fakegrad_patch._core.dispatch.fast", body)
-    assert out["deferred_before"] and out["installed"] and out["deferred_after"] is None, out
-    assert out["grads"] == [EXPECTED] and out["warnings"] == [], out
-
-
-def test_uninstall_before_the_first_mode_leaves_torch_alone() -> None:
-    """``uninstall()`` while waiting: torch's own ``__init__`` back at once, and the first mode
-    applies nothing (upstream's fake gradient)."""
-    body = "fakegrad_patch.uninstall()\ngrads = [init_state(), step()]\n"
-    out = run("fakegrad_patch._core.dispatch.fast", body)
-    assert not out["installed"] and out["init"] == "torch" and out["deferred_after"] is None, out
-    assert out["grads"] == ["torch", "fake"] and out["warnings"] == [], out
-
-
-def test_threads_building_the_first_modes_at_once_apply_it_once() -> None:
+def test_a_conversion_part_waits_for_four_threads_building_modes_at_once() -> None:
+    module = "fakegrad_patch._core.convert.values"
     body = (
         "grads = []\n"
         "barrier = threading.Barrier(4)\n"
@@ -152,9 +150,25 @@ def test_threads_building_the_first_modes_at_once_apply_it_once() -> None:
         "[t.start() for t in threads]\n"
         "[t.join() for t in threads]\n"
     )
+    out = run(module, body)
+    waited_then_applied(out, module)
+    assert out["grads"] == [EXPECTED] * 4, out
+
+
+def test_a_module_outside_the_patch_applies_at_once() -> None:
+    """A tool (``_tools.verify``) is not imported by the patch: applying does not wait."""
+    out = run("fakegrad_patch._tools.verify", "grads = [step()]\n")
+    assert out["installed_before"] and out["deferred_before"] is None, out
+    assert out["grads"] == [EXPECTED] and out["warnings"] == [], out
+
+
+def test_uninstall_before_the_first_mode_leaves_torch_alone() -> None:
+    """``uninstall()`` while waiting: torch's own ``__init__`` back at once, and the first mode
+    applies nothing (upstream's fake gradient)."""
+    body = "fakegrad_patch.uninstall()\ngrads = [init_state(), step()]\n"
     out = run("fakegrad_patch._core.dispatch.fast", body)
-    assert out["installed"] and out["grads"] == [EXPECTED] * 4, out
-    assert out["warnings"] == [] and out["init"] == "patch", out
+    assert not out["installed"] and out["init"] == "torch" and out["deferred_after"] is None, out
+    assert out["grads"] == ["torch", "fake"] and out["warnings"] == [], out
 
 
 def test_a_failure_of_another_cause_is_reported_at_the_first_mode() -> None:
