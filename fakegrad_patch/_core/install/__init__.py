@@ -186,12 +186,15 @@ def _apply() -> bool:
     import torch
 
     version = torch.__version__
-    _undefer()  # torch's own ``__init__`` back before anything wraps it
+    deferred = _state.deferred
     try:
         from .applied import Applied
 
-        applied = Applied()
+        # waiting: the one-shot stays in FakeTensorMode.__init__ until the patch's wrapper of
+        # torch's own replaces it (a thread building a mode meanwhile waits in the one-shot)
+        applied = Applied() if deferred is None else Applied(mode_init=deferred[1])
     except MissingTargetError as exc:
+        _undefer()
         _skip(_why_missing(exc, version), version)
         return False
     except Exception as exc:  # never break the host
@@ -199,13 +202,14 @@ def _apply() -> bool:
         # retried at the first mode; a failure of another cause is reported then
         importing = _ours_importing()
         if not (importing and _defer(importing, version)):
+            _undefer()
             _skip(f"unexpected {type(exc).__name__}: {exc}", version)
         return False
+    _undefer()  # the one-shot is gone from the class (replaced by the wrapper): forget it
     with _lock:
         _state.applied = applied
         set_current(applied)
         _state.skipped_reason = None
-        _state.deferred_reason = None
     if trace.enabled(trace.INFO):
         trace.emit(
             "patch_installed",
@@ -244,9 +248,13 @@ def _defer(importing: list[str], version: str) -> bool:
         return False
 
     def first_mode(self: Any, *args: Any, **kwargs: Any) -> None:
-        _undefer()
-        _converge(wait=True)
-        cls.__init__(self, *args, **kwargs)  # the patch's wrapper now, or torch's own
+        _converge(wait=True)  # applies, or waits for the thread applying
+        if cls.__dict__.get("__init__") is first_mode:
+            # not replaced: this thread is applying (a mode built on the way), or nothing was
+            # applied (uninstalled meanwhile; a failure, which put torch's back already)
+            original(self, *args, **kwargs)
+        else:
+            cls.__init__(self, *args, **kwargs)  # the patch's wrapper now, or torch's own
 
     reason = f"waiting for {', '.join(importing)} to finish importing (it imported torch)"
     with _lock:
@@ -260,9 +268,11 @@ def _defer(importing: list[str], version: str) -> bool:
 
 
 def _undefer() -> None:
-    """Torch's ``FakeTensorMode.__init__`` back where the deferral put the one-shot (once)."""
+    """Torch's ``FakeTensorMode.__init__`` back where the one-shot still is (once); the
+    deferral forgotten."""
     with _lock:
         deferred, _state.deferred = _state.deferred, None
+        _state.deferred_reason = None
     if deferred is not None:
         cls, original, first_mode = deferred
         if cls.__dict__.get("__init__") is first_mode:
@@ -316,8 +326,6 @@ def uninstall() -> bool:
         removals = _state.removals
     _converge(wait=True)
     _undefer()  # waiting to apply (a module of ours was importing): torch's __init__ back now
-    with _lock:
-        _state.deferred_reason = None
     return had or _state.removals > removals
 
 

@@ -34,7 +34,7 @@ class _DynamoSkip:
 class Applied:
     """One application of the patch."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode_init: Any = None) -> None:
         import torch
 
         from ..accumulate import arming as arming_module
@@ -121,11 +121,8 @@ class Applied:
             events=("backward_wrapper_installed", "backward_wrapper_removed"),
             lost="fake gradients into real graphs keep upstream behaviour",
         )
-        self._mode_init_wrapper: Any = None
         mode_cls = self.resolved.fake_mode_cls
-        if "__init__" in mode_cls.__dict__ and _targets.resolve_optional(_targets.FAKE_MODE_INIT):
-            wrapt.wrap_function_wrapper(mode_cls, "__init__", self._mode_built)
-            self._mode_init_wrapper = mode_cls.__dict__["__init__"]
+        self._mode_init_wrapper: Any = _wrap_mode_init(mode_cls, mode_init, self._mode_built)
         #: modes cannot be seen being built: the interception is in place for good
         self._always = self._mode_init_wrapper is None
 
@@ -290,6 +287,21 @@ class Applied:
                 "someone else after fakegrad_patch; leaving it in place (the fakegrad_patch "
                 "layer is now inactive).",
             )
+
+
+def _wrap_mode_init(mode_cls: Any, mode_init: Any, handler: Any) -> Any:
+    """``FakeTensorMode.__init__`` wrapped (the wrapper; None where the class has none, or the
+    build lacks FAKE_MODE_INIT). ``mode_init``: torch's own, where the class holds the
+    installation's one-shot instead (it waited for a module of ours): the wrapper of torch's own
+    takes the one-shot's place in one assignment, so no thread finds torch's own meanwhile."""
+    from ..touchpoints import targets as _targets
+
+    init = mode_init if mode_init is not None else mode_cls.__dict__.get("__init__")
+    if init is None or not _targets.resolve_optional(_targets.FAKE_MODE_INIT):
+        return None
+    wrapper = wrapt.FunctionWrapper(init, handler)
+    setattr(mode_cls, "__init__", wrapper)  # noqa: B010 (mypy: __init__ of an instance)
+    return wrapper
 
 
 def _recorded_leaves(records: Any, read: list[Any], resolved: Any) -> list[Any]:

@@ -429,7 +429,9 @@ RECORD_FUNCTION_FAST = Target(
 #: are still seen through the converting frame). Also WRITTEN by the installation alone when it
 #: must wait (torch finished importing inside the import of a module of ours: applying then would
 #: import that module half-made): a one-shot function of ours in the class's ``__init__`` applies
-#: the patch and puts torch's back at the first mode built (install/__init__.py ``_defer``).
+#: the patch at the first mode built, and the patch's wrapper of torch's own then replaces it
+#: (install/__init__.py ``_defer``, applied.py ``_wrap_mode_init``); torch's own is put back
+#: where nothing was applied.
 FAKE_MODE_INIT = Target(
     FAKE_TENSOR_MODULE,
     "FakeTensorMode.__init__",
