@@ -35,9 +35,12 @@ import torch
 import torch._functorch.config as fc
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-def step(cls=FakeTensorMode):
+def step(cls=FakeTensorMode, patch=True):
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
-    with fc.patch(fake_tensor_propagate_real_tensors=True):
+    if patch:
+        with fc.patch(fake_tensor_propagate_real_tensors=True):
+            mode = cls(allow_non_fake_inputs=True)
+    else:  # the flag already set by the caller
         mode = cls(allow_non_fake_inputs=True)
     with mode:
         (w * w).sum().backward()
@@ -144,8 +147,11 @@ def test_a_conversion_part_waits_for_four_threads_building_modes_at_once() -> No
         "grads = []\n"
         "barrier = threading.Barrier(4)\n"
         "def worker():\n"
+        # set, never restored: a per-thread override on 2.13+, process-wide on 2.4 (where
+        # patching it per thread races: one thread's exit turns another's mode plain)
+        "    fc.fake_tensor_propagate_real_tensors = True\n"
         "    barrier.wait()\n"
-        "    grads.append(step())\n"
+        "    grads.append(step(patch=False))\n"
         "threads = [threading.Thread(target=worker) for _ in range(4)]\n"
         "[t.start() for t in threads]\n"
         "[t.join() for t in threads]\n"
