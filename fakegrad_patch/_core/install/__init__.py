@@ -237,8 +237,9 @@ def _ours_importing() -> list[str]:
 def _defer(importing: list[str], version: str) -> bool:
     """Apply at the first ``FakeTensorMode`` built (or the next ``install()``) instead of now:
     ``importing`` must finish first. A one-shot ``FakeTensorMode.__init__`` of ours applies the
-    patch, puts torch's back and builds the mode with whatever is in place then. False where
-    the class cannot be found (the caller then warns, as for any failure)."""
+    patch (whose wrapper of torch's own then replaces the one-shot: ``Applied(mode_init=...)``)
+    and builds the mode through whatever is in place then. False where the class cannot be
+    found (the caller then warns, as for any failure)."""
     try:
         cls = resolve(FAKE_MODE_INIT, owner_only=True)  # loaded: its post-import hook ran
     except MissingTargetError:
@@ -250,11 +251,11 @@ def _defer(importing: list[str], version: str) -> bool:
     def first_mode(self: Any, *args: Any, **kwargs: Any) -> None:
         _converge(wait=True)  # applies, or waits for the thread applying
         if cls.__dict__.get("__init__") is first_mode:
-            # not replaced: this thread is applying (a mode built on the way), or nothing was
-            # applied (uninstalled meanwhile; a failure, which put torch's back already)
+            # still here: this thread is the one applying (a mode built on the way), or an
+            # uninstall() has not yet put torch's back
             original(self, *args, **kwargs)
-        else:
-            cls.__init__(self, *args, **kwargs)  # the patch's wrapper now, or torch's own
+        else:  # the patch's wrapper; torch's own where nothing was applied (put back)
+            cls.__init__(self, *args, **kwargs)
 
     reason = f"waiting for {', '.join(importing)} to finish importing (it imported torch)"
     with _lock:
