@@ -7,22 +7,31 @@ storage memos as ``meta_tensor`` does, and counts it; ``values._lean_values`` gi
 upstream's conversion would (uninitialised where D2 applies, for the D2 repair to fill or lend; a
 loan or a copy where upstream clones). The first conversion of each kind of tensor is upstream's,
 and a lean one of the same tensor into a scratch converter must match it, else that kind stays
-upstream's. The family: what each kind's fake is (against upstream's conversion of the same
-tensor, lean off), the memo (a second conversion, a view of the same storage converted later,
-aliasing as upstream's), values updated inside the mode through the parameter and read through
-an earlier view, gradients of a step against eager, what is never made lean (a view, an offset,
-a larger storage, a tensor with a gradient, a buffer flag, functorch's transforms), a build whose
-lean fake would differ, the conversion counter the trust check reads.
+upstream's. A tensor converted again by the same converter after its fake died (a weight used
+at every step of an RNN, a weight two layers share, a mode kept across steps) is lean too,
+checked apart: its fake over a fresh storage (``AGAIN``) or over the meta storage a live view
+keeps (``OVER``: its values over that storage's real one); and so is an input of an op that
+writes (BatchNorm's running statistics: never lent, a copy). The family: what each kind's fake
+is (against upstream's conversion of the same tensor, lean off), the memo (a second conversion,
+a view of the same storage converted later, aliasing as upstream's), values updated inside the
+mode through the parameter and read through an earlier view, gradients of a step against eager,
+each state met again against upstream's in the same state, programs that meet tensors again
+(an RNN, a shared weight, a mode kept for steps, BatchNorm's written buffers) against eager and
+upstream's, what is never made lean (a view, an offset, a larger storage, a tensor with a
+gradient, a buffer flag, functorch's transforms), a build whose lean fake would differ (new, or
+over a live storage), the conversion counter the trust check reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 from _helpers import fake_mode
+from _zoo import CellLoop
 from torch import nn
 
 from fakegrad_patch._core.install import current
@@ -41,9 +50,11 @@ def _lean() -> Any:
 
 
 class _Made(list):  # type: ignore[type-arg]
-    """The tensors converted lean; ``fakes``: their fakes."""
+    """The tensors converted lean; ``fakes``: their fakes (kept alive, unless ``keep`` is
+    false: a program whose fakes must die as without the fixture)."""
 
     fakes: list[Any]
+    keep = True
 
     def clear(self) -> None:
         super().clear()
@@ -60,13 +71,25 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
         fake = build(self, meta_converter, mode, converter, t, *a)
         if converter is mode.fake_tensor_converter:
             made.append(t)
-            fakes.append(fake)
+            if made.keep:
+                fakes.append(fake)
+        return fake
+
+    over = targets.LeanConversion._over
+
+    def counting_over(self: Any, meta: Any, mode: Any, converter: Any, t: Any, *a: Any) -> Any:
+        fake = over(self, meta, mode, converter, t, *a)
+        if converter is mode.fake_tensor_converter and a[-1] is not None:  # registered
+            made.append(t)
+            if made.keep:
+                fakes.append(fake)
         return fake
 
     fakes: list[Any] = []
     made.fakes = fakes
 
     monkeypatch.setattr(targets.LeanConversion, "_build", counting)
+    monkeypatch.setattr(targets.LeanConversion, "_over", counting_over)
     yield made
 
 
@@ -348,3 +371,222 @@ def test_a_lean_conversion_is_counted(builds: list[Any]) -> None:
         p.t()
     assert _ids(builds) == [id(p)]
     assert made(mode.fake_tensor_converter) == (before or 0) + 1
+
+
+# -- a tensor converted again by the same converter ------------------------------------------
+
+
+def _met_again(lean: Any, t: torch.Tensor, state: str, lean_on: bool, builds: Any) -> Any:
+    """In one mode: a view of ``t`` (its fake dies with the op), then, the view dropped
+    (``again``) or kept (``over``), ``t`` converted again: by the fast path (``lean_on``: the
+    fake it made) or by upstream's ``from_tensor`` (the reference). (first view or None, fake)."""
+    mode = fake_mode()
+    conv = mode.fake_tensor_converter
+    with mode:
+        first: Any = t.transpose(0, 1)
+        builds.clear()  # (it keeps the fakes it saw alive)
+        if state == "again":
+            first = None
+        expected = targets.AGAIN if state == "again" else targets.OVER
+        assert lean.when(conv, t, lean.kind(t))[-1:] == expected
+        if not lean_on:
+            return first, mode.from_tensor(t)
+        second = t.transpose(0, 1)
+        assert _ids(builds) == [id(t)]  # made lean
+        fake = builds.fakes[-1]
+        assert torch.equal(second.real_tensor, t.detach().transpose(0, 1))
+        return first, fake
+
+
+AGAIN_KINDS = ["parameter", "leaf requiring grad", "input", "parameter, 256 KiB (lent)"]
+
+
+@pytest.mark.parametrize("state", ["again", "over"])
+@pytest.mark.parametrize("kind", AGAIN_KINDS)
+def test_a_tensor_met_again_is_lean_and_upstreams(
+    kind: str, state: str, builds: Any, lean_off: Callable[[], Any]
+) -> None:
+    """Converted again after its fake died, its storage dead too (``again``: a fresh storage) or
+    kept by a view (``over``: the same meta storage, values over the same real storage): the
+    lean fake is upstream's fake in the same state (type, keys, metadata, autograd flags,
+    attributes, values), and aliases the live view as upstream's does."""
+    lean = _lean()
+    _learn_again(lean, kind, state, builds)
+    torch.manual_seed(0)
+    t = KINDS[kind]()
+    first, fake = _met_again(lean, t, state, True, builds)
+    torch.manual_seed(0)
+    twin = KINDS[kind]()
+    lean_off()
+    ref_first, ref = _met_again(lean, twin, state, False, builds)
+    _assert_same(fake, ref, t)
+    if state == "over":
+        for f, view in ((fake, first), (ref, ref_first)):
+            assert f.untyped_storage()._cdata == view.untyped_storage()._cdata
+            real_view = view.real_tensor.untyped_storage()
+            assert f.real_tensor.untyped_storage()._cdata == real_view._cdata
+
+
+def _learn_again(lean: Any, kind: str, state: str, builds: Any) -> None:
+    """Upstream converts the first tensor of ``kind`` met again in ``state`` (the check runs
+    then); the next one is lean."""
+    for _ in range(2):
+        t = KINDS[kind]()
+        mode = fake_mode()
+        with mode:
+            first = t.transpose(0, 1)
+            builds.clear()
+            if state == "again":
+                del first
+            t.transpose(0, 1)
+    builds.clear()
+
+
+@contextlib.contextmanager
+def _upstream_conversions() -> Iterator[list[Any]]:
+    """The tensors MetaConverter (upstream's conversion) converts meanwhile."""
+    from torch._subclasses import meta_utils
+
+    seen: list[Any] = []
+    call = meta_utils.MetaConverter.__call__
+
+    def counting(self: Any, t: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((tuple(t.shape), t.dtype))
+        return call(self, t, *args, **kwargs)
+
+    meta_utils.MetaConverter.__call__ = counting  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        meta_utils.MetaConverter.__call__ = call  # type: ignore[method-assign]
+
+
+class _Shared(nn.Module):
+    """Two layers sharing one weight: converted twice in one forward, a view of the first
+    conversion saved for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(12, 12)
+        self.second = nn.Linear(12, 12)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+PROGRAMS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor, int]]] = {
+    # (model, input, steps in one mode)
+    # a GRU cell and a readout at every time step (a view saved for backward keeps the meta
+    # storage of the readout's first conversion alive)
+    "a GRU cell over 5 steps": lambda: (CellLoop(), torch.randn(5, 4, 6), 1),
+    "two layers sharing a weight": lambda: (_Shared(), torch.randn(4, 12), 1),
+    # (gradients set to None between steps: a tensor with a gradient is upstream's)
+    "one mode kept for 3 steps": lambda: (
+        nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)),
+        torch.randn(5, 8),
+        3,
+    ),
+    "a BatchNorm net in training (buffers written)": lambda: (
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten()),
+        torch.randn(2, 3, 6, 6),
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_programs_that_meet_a_tensor_again_are_lean_and_eagers(
+    program: str, builds: Any, lean_off: Callable[[], Any]
+) -> None:
+    """Programs in which one converter meets a tensor again after its fake died, or converts
+    an input for an op that writes: those conversions are lean (after the first program
+    learned each kind and state), and the gradients of the last step, the buffers and the
+    values are eager's, bit for bit, as with upstream's conversions."""
+    _lean()
+    builds.keep = False
+
+    def run(fake: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+        torch.manual_seed(0)
+        model, x, steps = PROGRAMS[program]()
+        if fake:
+            mode = fake_mode()
+            with mode:
+                for _ in range(steps):
+                    model.zero_grad(set_to_none=True)
+                    out = model(x)
+                    out.square().mean().backward()
+            values = out.real_tensor
+        else:
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                out = model(x)
+                out.square().mean().backward()
+            values = out.detach()
+        grads = [p.grad for p in model.parameters()]
+        return grads, [b.clone() for b in model.buffers()], values
+
+    eager_grads, _, eager_out = run(False)
+    run(True)  # learns each kind and state
+    builds.clear()
+    with _upstream_conversions() as upstream:
+        grads, buffers, out = run(True)
+    # every conversion lean, but BatchNorm's counter's (``num_batches_tracked += 1``: an
+    # in-place op on a real tensor, upstream's path)
+    assert len(upstream) == (1 if "BatchNorm" in program else 0), upstream
+    assert len(builds) > len({id(t) for t in builds}) or "BatchNorm" in program
+    for grad, want in zip(grads, eager_grads, strict=True):
+        assert type(grad) is torch.Tensor
+        torch.testing.assert_close(grad, want, rtol=0, atol=0)
+    torch.testing.assert_close(out, eager_out, rtol=0, atol=0)
+    lean_off()
+    builds.clear()
+    ref_grads, ref_buffers, ref_out = run(True)
+    assert builds == []
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref, rtol=0, atol=0)
+    for buffer, ref in zip(buffers, ref_buffers, strict=True):  # the same policy's result
+        torch.testing.assert_close(buffer, ref, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+
+
+def test_a_build_whose_fake_over_a_live_storage_differs_keeps_upstreams(
+    monkeypatch: pytest.MonkeyPatch, builds: Any
+) -> None:
+    """The check of a conversion over a live storage (against upstream's fake over the same
+    storage) finds a difference: that kind and state are never made lean, and the program's
+    values stay upstream's; a tensor whose fake lives is the memo's (``when``: None)."""
+    lean = _lean()
+    over = targets.LeanConversion._over
+
+    def differing(self: Any, *args: Any) -> Any:
+        fake = over(self, *args)
+        if fake is not None:
+            fake.extra = 1
+        return fake
+
+    _learned(builds, nn.Parameter(torch.randn(5, 4)))
+    builds.keep = False
+    monkeypatch.setattr(targets.LeanConversion, "_over", differing)
+    checked = dict(lean._checked)
+    for kind in checked:
+        if kind[-1:] == targets.OVER:
+            del lean._checked[kind]
+    try:
+        for _ in range(3):
+            p = nn.Parameter(torch.randn(5, 4))
+            mode = fake_mode()
+            with mode:
+                first = p.t()
+                state = lean.when(mode.fake_tensor_converter, p, lean.kind(p))
+                second = p.t()
+                held = mode.from_tensor(p)  # its fake alive: the memo's
+                assert lean.when(mode.fake_tensor_converter, p, lean.kind(p)) is None
+                del held
+            assert state[-1:] == targets.OVER
+            assert lean._checked[state] is False
+            assert not hasattr(second, "extra")
+            assert torch.equal(first.real_tensor, second.real_tensor)
+    finally:
+        lean._checked.clear()
+        lean._checked.update(checked)

@@ -209,6 +209,11 @@ def set_on_owned(callback: Callable[[int, int], None] | None) -> None:
     _State.on_owned = callback
 
 
+def may_lend(t: Any) -> bool:
+    """Lending is on and ``t``'s values may be lent (:func:`lendable`)."""
+    return _State.enabled and lendable(t)
+
+
 def lendable(t: Any) -> bool:
     """Whether ``t``'s values may be lent to its fake, lending being on (see the module
     docstring)."""

@@ -73,20 +73,31 @@ def _values_are_the_constant(fake: Any) -> None:
         fake.real_tensor = constant
 
 
-def _quiet_input(
+def _op_input(
     is_fake: Any, dispatch: Any, mode: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> bool:
-    """A real op input of a propagating mode without a ShapeEnv, converted for an op that
-    writes nothing (the dispatch wrapper's frame says so), write-back off: its values may be
-    lent (lending.py), its fake made lean (``targets.LeanConversion``)."""
+) -> Any:
+    """A real op input of a propagating mode without a ShapeEnv, write-back off: the dispatch
+    wrapper's frame of the op converting it, else None. Its fake may be made lean
+    (``targets.LeanConversion``); where the frame says the op writes nothing, its values may
+    be lent (lending.py: else the op's writes must reach a copy)."""
     if kwargs or len(args) != 2:
-        return False
+        return None
     if is_fake(args[1]) or not getattr(mode, "propagate_real_tensors", False):
-        return False
+        return None
     if getattr(mode, "shape_env", None) is not None or dispatch.aliases.enabled:
-        return False
+        return None
     frame = dispatch.frames.top()
-    return frame is not None and frame.mode is mode and not frame.writing
+    return frame if frame is not None and frame.mode is mode else None
+
+
+def _lean_kind(lean: Any, frame: Any, converter: Any, t: Any) -> Any:
+    """For the fast path's op input ``t`` (``frame``: :func:`_op_input`'s), its kind in
+    ``converter`` where a lean conversion may make its fake (``LeanConversion.when``), else None
+    (upstream's conversion; the memo's fake where it lives)."""
+    if lean is None or frame is None or not getattr(_state.converting, "fast", False):
+        return None
+    kind = lean.kind(t)
+    return None if kind is None else lean.when(converter, t, kind)
 
 
 def _lent(real: Any, values: Any, source: Any, reason: str, may_lend: bool) -> str | None:
@@ -206,11 +217,11 @@ class Values:
             return wrapped(*args, **kwargs)
         if not self.active or bypassed():
             return wrapped(*args, **kwargs)
-        quiet = _quiet_input(self._is_fake, self._dispatch, mode, args, kwargs)
-        may_lend = quiet and _lending.enabled() and _lending.lendable(args[1])
+        frame = _op_input(self._is_fake, self._dispatch, mode, args, kwargs)
+        may_lend = frame is not None and not frame.writing and _lending.may_lend(args[1])
+        lean = self._lean
+        kind = _lean_kind(lean, frame, instance, args[1])
         fake = None
-        lean: Any = self._lean if quiet and getattr(_state.converting, "fast", False) else None
-        kind = lean.kind(args[1]) if lean is not None else None
         if kind is not None:  # the fast path's op input: made lean where its kind was checked
             fake = lean.convert(instance, mode, args[1], kind, _lean_values_of(self, may_lend))
         if fake is None:

@@ -1236,7 +1236,25 @@ class FakeMaker:
 #: (device, type, dtype, requires_grad, dispatch keys): the first conversion of each kind is
 #: upstream's, and a lean one of the same tensor made into a scratch converter must match it
 #: (type, dispatch keys, metadata, autograd flags, every attribute but the values, the memos'
-#: entries); any difference keeps upstream's for that kind.
+#: entries); any difference keeps upstream's for that kind. A tensor the converter met before
+#: whose fake died (``tensor_memo`` has none for its id) is a kind of its own, per state: its
+#: storage's meta storage dead too (AGAIN: ``meta_tensor`` then makes a fresh fake under the
+#: same ids; checked as a new one), or alive in ``storage_memo`` (OVER: ``meta_tensor`` makes a
+#: fresh fake and ``set_``s it and its values over that storage and its REAL_STORAGE_ATTR, as
+#: the lean one is made; checked against upstream's fake over the same storage, unregistered).
+#: Checked on 2.13.0 and 2.14.1 (the states' tests); 2.4.0 and 2.15.0 in CI.
+#: :meth:`LeanConversion.when`'s states beyond a tensor new to the converter
+AGAIN = ("again",)
+OVER = ("over a live storage",)
+_KIND_LEN = 5  # the length of LeanConversion.kind's tuple
+
+
+def _live_storage(meta_converter: Any, storage: Any) -> Any:
+    """The meta storage ``meta_converter``'s storage memo keeps for ``storage``, or None."""
+    sid = meta_converter.describer.lookup_storage.get(storage)
+    return None if sid is None else meta_converter.storage_memo.get(sid)
+
+
 class LeanConversion:
     """``convert(converter, mode, t, values)``: the converter's fake of ``t`` made lean, or None
     (upstream's conversion then); ``learn(...)`` after upstream's conversion of ``t``."""
@@ -1280,19 +1298,78 @@ class LeanConversion:
         keys = repr(self._keys(t))  # type: ignore[misc]
         return (t.device, type(t), t.dtype, requires_grad, keys)
 
+    def when(self, converter: Any, t: Any, kind: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """``kind`` (:meth:`kind`) with what ``converter`` knows of ``t``: as it is where ``t``
+        is new to it; ``+ AGAIN`` where it converted ``t`` before and neither that fake nor its
+        storage lives (a weight used again after its fake died: the same ids, fresh memos);
+        ``+ OVER`` where that fake died but its meta storage lives (an RNN's weight at every
+        time step, a tied weight: a view saved for backward keeps it); None where its fake lives
+        (upstream's memo returns it at once). Known to it only through an alias of its storage:
+        as new (``convert`` then leaves it to upstream)."""
+        meta_converter = converter.meta_converter
+        describer = meta_converter.describer
+        tid = describer.lookup_tensor.get(t)
+        if tid is None:
+            return kind
+        if meta_converter.tensor_memo.get(tid) is not None:
+            return None
+        live = _live_storage(meta_converter, t.untyped_storage())
+        return kind + (AGAIN if live is None else OVER)
+
     def convert(
         self, converter: Any, mode: Any, t: Any, kind: tuple[Any, ...], values: Callable[[Any], Any]
     ) -> Any:
-        """``t``'s fake (``kind``: :meth:`kind`), or None: its kind not checked (yet), or known
-        to this converter."""
+        """``t``'s fake (``kind``: :meth:`when`), or None: its kind not checked (yet), or
+        known to this converter otherwise than ``kind`` says."""
         if self._checked.get(kind) is not True:
             return None
         meta_converter = converter.meta_converter
         describer = meta_converter.describer
         storage = t.untyped_storage()
-        if t in describer.lookup_tensor or storage in describer.lookup_storage:
+        again = kind[_KIND_LEN:]
+        if again:
+            tid = describer.lookup_tensor.get(t)
+            if tid is None or meta_converter.tensor_memo.get(tid) is not None:
+                return None
+            live = _live_storage(meta_converter, storage)
+            if again == OVER:
+                if live is None:
+                    return None
+                return self._over(meta_converter, mode, converter, t, live, tid)
+            if live is not None:
+                return None
+        elif t in describer.lookup_tensor or storage in describer.lookup_storage:
             return None  # known to this converter (its memo, an alias): upstream's
         return self._build(meta_converter, mode, converter, t, storage, values)
+
+    def _over(
+        self, meta_converter: Any, mode: Any, converter: Any, t: Any, live: Any, tid: Any
+    ) -> Any:
+        """``t``'s fake over ``live``, the meta storage of its earlier fake (the converter's
+        storage memo), its values over that storage's real one, as ``meta_tensor`` sets both
+        (``set_`` over the memo's storage and its REAL_STORAGE_ATTR); registered in the tensor
+        memo where ``tid`` is given. None where that storage carries no values."""
+        import torch
+
+        real_storage = real_storage_of(live)
+        if real_storage is None:
+            return None
+        shape, stride = t.shape, t.stride()
+        with self._no_dispatch():
+            meta = torch.empty(0, dtype=t.dtype, device="meta")
+            meta.set_(live, 0, shape, stride)
+            fake = self._make(converter, mode, meta, t.device)
+            real = torch.empty(0, dtype=t.dtype, device=t.device)
+            real.set_(real_storage, 0, shape, stride)
+            fake.real_tensor = real
+        if t.requires_grad:
+            fake.requires_grad = True
+        if type(t) is self._parameter:
+            fake._is_param = True
+        if tid is not None:
+            meta_converter.tensor_memo[tid] = fake
+            meta_converter.hit += 1
+        return fake
 
     def _build(
         self,
@@ -1322,15 +1399,52 @@ class LeanConversion:
         return fake
 
     def learn(self, converter: Any, mode: Any, t: Any, kind: tuple[Any, ...], fake: Any) -> None:
-        """After upstream converted ``t`` (of ``kind``) into ``fake``: at the first of its kind,
-        a lean conversion of ``t`` into a scratch converter of the same class must match it."""
+        """After upstream converted ``t`` (``kind``: :meth:`when`) into ``fake``: at the first
+        of its kind, a lean conversion of ``t`` must match it: into a scratch converter of the
+        same class (new, AGAIN), or over the same live storage, unregistered (OVER)."""
         if kind in self._checked:
             return
         try:
-            same = self._same(converter, mode, t, fake)
+            if kind[_KIND_LEN:] == OVER:
+                same = self._same_over(converter, mode, t, fake)
+            else:
+                same = self._same(converter, mode, t, fake)
         except Exception:
             same = False
         self._checked[kind] = same
+
+    def _same_over(self, converter: Any, mode: Any, t: Any, fake: Any) -> bool:
+        """Upstream's fake of ``t`` over a live storage and ours over the same one: the same
+        type, dispatch keys, attributes but the values, metadata, autograd flags, version, meta
+        storage, and values over the same real storage, upstream's in the tensor memo."""
+        meta_converter = converter.meta_converter
+        live = fake.untyped_storage()
+        lean = self._over(meta_converter, mode, converter, t, live, None)
+        if lean is None:
+            return False
+        theirs, ours = dict(fake.__dict__), dict(lean.__dict__)
+        real, lean_real = theirs.pop("real_tensor", None), ours.pop("real_tensor", None)
+        tid = meta_converter.describer.lookup_tensor.get(t)
+
+        def layout(x: Any) -> tuple[Any, ...]:
+            return (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device)
+
+        return (
+            type(lean) is type(fake)
+            and repr(self._keys(lean)) == repr(self._keys(fake))  # type: ignore[misc]
+            and ours == theirs
+            and layout(lean) == layout(fake)
+            and (lean.requires_grad, lean.is_leaf, lean._version, lean.grad)
+            == (fake.requires_grad, fake.is_leaf, fake._version, fake.grad)
+            and storage_key(lean.untyped_storage()) == storage_key(live)
+            and real is not None
+            and type(real) is type(lean_real)
+            and layout(real) == layout(lean_real)
+            and storage_key(real.untyped_storage()) == storage_key(lean_real.untyped_storage())
+            and getattr(lean, "grad_dtype", None) == getattr(fake, "grad_dtype", None)
+            and tid is not None
+            and meta_converter.tensor_memo.get(tid) is fake
+        )
 
     def _same(self, converter: Any, mode: Any, t: Any, fake: Any) -> bool:
         import torch
