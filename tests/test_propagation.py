@@ -663,6 +663,45 @@ def test_the_fast_path_has_an_off_switch_and_counts(setting: str) -> None:
         assert ops == 0 and not fast
 
 
+#: views that return a list (``Tensor(a -> *) self -> Tensor(a)[]``), as a program reaches them
+LIST_VIEWS: dict[str, tuple[Callable[[torch.Tensor], Any], str]] = {
+    "split": (lambda x: x.split(2), "aten.split.Tensor"),
+    "split, sizes": (lambda x: x.split([1, 3]), "aten.split_with_sizes.default"),
+    "chunk": (lambda x: x.chunk(3, dim=1), "aten.split.Tensor"),
+    "unbind": (lambda x: x.unbind(1), "aten.unbind.int"),
+    "iterating a tensor": (lambda x: list(x), "aten.unbind.int"),
+}
+
+
+@pytest.mark.parametrize("view", LIST_VIEWS)
+def test_views_that_return_a_list_take_the_fast_path(view: str) -> None:
+    """A list of views (an LSTM's gates ``chunk(4)``, an attention's ``qkv.split``, a loop over a
+    tensor's rows) takes the fast path (one real view op, a fake view per real view over the
+    base's storage), not upstream's path of the fake and the real kernels; values and gradients
+    are eager's (the VIEWS tests above)."""
+    f, op = LIST_VIEWS[view]
+    fakegrad_patch.configure(propagation="fast")
+    x = torch.randn(4, 6, requires_grad=True)
+    with fake_mode():
+        y = x * 1
+        with trace.capture(trace.DEBUG) as events:
+            out = f(y)
+        assert len(out) > 1
+        for o in out:
+            assert o.untyped_storage()._cdata == y.untyped_storage()._cdata
+            real = o.real_tensor
+            assert real.untyped_storage()._cdata == y.real_tensor.untyped_storage()._cdata
+            assert (o.shape, o.stride(), o.storage_offset()) == (
+                real.shape,
+                real.stride(),
+                real.storage_offset(),
+            )
+    assert op in {e["op"] for e in _events(events, "propagation_fast")}, events
+    want = f(x.detach())
+    for o, w in zip(out, want, strict=True):
+        torch.testing.assert_close(o.real_tensor, w, rtol=0, atol=0)
+
+
 def test_ops_that_write_unannotated_arguments_never_take_the_fast_path() -> None:
     """Every aten schema of this build with a tensor argument named like running statistics or
     an RNN's dropout state, not marked written, is in ``HIDDEN_WRITES`` (their kernels write

@@ -62,6 +62,7 @@ UPSTREAM_FAKES = frozenset({"_efficientzerotensor"})
 #: FakeTensorMode's lift functions (``torch.tensor``): constants, upstream's
 _LIFT = frozenset({"lift_fresh", "lift_fresh_copy"})
 _TENSORS = ("Tensor", "Tensor?", "Tensor[]", "List[Tensor]", "Optional[Tensor]")
+_LISTS = ("Tensor[]", "List[Tensor]")
 NO_WRITES: tuple[tuple[int, str], ...] = ()
 
 
@@ -211,7 +212,18 @@ def _plain_in_place(schema: Any, arguments: Any, written: Any, name: str) -> boo
 
 
 def _view_base(schema: Any, arguments: Any) -> int:
+    """The argument a view's returns alias, or -1. A list of views (``split``, ``unbind``:
+    ``Tensor(a -> *) self -> Tensor(a)[]``) shows its element's alias set nowhere in the Python
+    schema (the list's own is empty): its base is the one argument whose set widens to the
+    wildcard (``a -> *``), where that is the only return and a list of tensors."""
     sets = [r.alias_info.before_set for r in schema.returns if r.alias_info is not None]
+    if sets == [set()] and str(schema.returns[0].type) in _LISTS:
+        wild = [
+            i
+            for i, a in enumerate(arguments)
+            if a.alias_info is not None and "*" in a.alias_info.after_set
+        ]
+        return wild[0] if len(wild) == 1 and not arguments[wild[0]].alias_info.is_write else -1
     for index, argument in enumerate(arguments):
         info = argument.alias_info
         if info is not None and sets and all(info.before_set & s for s in sets):
