@@ -221,7 +221,7 @@ def _view_base(schema: Any, arguments: Any) -> int:
         wild = [
             i
             for i, a in enumerate(arguments)
-            if a.alias_info is not None and "*" in a.alias_info.after_set
+            if a.alias_info is not None and "*" in getattr(a.alias_info, "after_set", ())
         ]
         return wild[0] if len(wild) == 1 and not arguments[wild[0]].alias_info.is_write else -1
     for index, argument in enumerate(arguments):
