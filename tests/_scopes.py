@@ -59,7 +59,36 @@ BUILD_BOUND = frozenset(
         "test_fuzz.py",
     }
 )
-SCOPES = {"all": frozenset(), "build": BUILD_INDEPENDENT, "deps": BUILD_BOUND}
+#: Files whose subject is the patch's tensor logic on the build (conversions, propagation, views,
+#: lending, direct reads, write-through of gradients, a family of programs): they reach wrapt and
+#: structlog only through the calls that every file makes (test_correctness, test_api,
+#: test_multi_mode and the trace files keep those in ``lowest``). ``FAKEGRAD_TEST_SCOPE=deps``
+#: deselects them too: ``lowest`` shares newest's build, and newest runs them on it (CI time,
+#: docs/compatibility.md).
+TENSOR_LOGIC = frozenset(
+    {
+        "test_propagation.py",
+        "test_programs.py",
+        "test_distributed.py",
+        "test_autocast_norm.py",
+        "test_verify.py",
+        "test_lending.py",
+        "test_grad_layout_contract.py",
+        "test_fake_leaves.py",
+        "test_recurrent.py",
+        "test_interplay.py",
+        "test_norm_attention.py",
+        "test_lean_conversion.py",
+        "test_inplace_updates.py",
+        "test_fast_batchnorm.py",
+        "test_profiler_ranges.py",
+        "test_materialize.py",
+        "test_mode_entry.py",
+        "test_direct_reads.py",
+        "test_fake_maker.py",
+    }
+)
+SCOPES = {"all": frozenset(), "build": BUILD_INDEPENDENT, "deps": BUILD_BOUND | TENSOR_LOGIC}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -49,7 +49,8 @@ def pytest_report_header(config: pytest.Config) -> str:
     elif scope == "deps":
         lines.append(
             "FAKEGRAD_TEST_SCOPE=deps: the build-bound files are deselected here "
-            f"({', '.join(sorted(_scopes.BUILD_BOUND))}: they run in the envs of each torch build)"
+            f"({', '.join(sorted(_scopes.BUILD_BOUND))}: they run in the envs of each torch "
+            "build), and the files of the patch's tensor logic (newest runs them on this build)"
         )
     else:
         lines.append("FAKEGRAD_TEST_SCOPE=all: every test file")
