@@ -1219,6 +1219,18 @@ class FakeMaker:
         return attrs if same else None
 
 
+#: :meth:`LeanConversion.when`'s states beyond a tensor new to the converter
+AGAIN = ("again",)
+OVER = ("over a live storage",)
+_KIND_LEN = 5  # the length of LeanConversion.kind's tuple
+
+
+def _live_storage(meta_converter: Any, storage: Any) -> Any:
+    """The meta storage ``meta_converter``'s storage memo keeps for ``storage``, or None."""
+    sid = meta_converter.describer.lookup_storage.get(storage)
+    return None if sid is None else meta_converter.storage_memo.get(sid)
+
+
 #: CALLED / WRITTEN (2.4.0, 2.13.0, 2.14.1, 2.15.0: the same names and protocol). What
 #: ``FakeTensorConverter.from_real_tensor`` does for a plain dense leaf (a parameter, an input: no
 #: view, no grad, offset 0, its storage exactly its elements), made without MetaConverter's Python
@@ -1242,19 +1254,7 @@ class FakeMaker:
 #: same ids; checked as a new one), or alive in ``storage_memo`` (OVER: ``meta_tensor`` makes a
 #: fresh fake and ``set_``s it and its values over that storage and its REAL_STORAGE_ATTR, as
 #: the lean one is made; checked against upstream's fake over the same storage, unregistered).
-#: Checked on 2.13.0 and 2.14.1 (the states' tests); 2.4.0 and 2.15.0 in CI.
-#: :meth:`LeanConversion.when`'s states beyond a tensor new to the converter
-AGAIN = ("again",)
-OVER = ("over a live storage",)
-_KIND_LEN = 5  # the length of LeanConversion.kind's tuple
-
-
-def _live_storage(meta_converter: Any, storage: Any) -> Any:
-    """The meta storage ``meta_converter``'s storage memo keeps for ``storage``, or None."""
-    sid = meta_converter.describer.lookup_storage.get(storage)
-    return None if sid is None else meta_converter.storage_memo.get(sid)
-
-
+#: Checked on 2.4.0, 2.13.0, 2.14.1 and 2.15.0 (tests/test_lean_conversion.py).
 class LeanConversion:
     """``convert(converter, mode, t, values)``: the converter's fake of ``t`` made lean, or None
     (upstream's conversion then); ``learn(...)`` after upstream's conversion of ``t``."""
@@ -1352,8 +1352,9 @@ class LeanConversion:
         import torch
 
         real_storage = real_storage_of(live)
-        if real_storage is None:
-            return None
+        nbytes = t.untyped_storage().nbytes()
+        if real_storage is None or live.nbytes() < nbytes or real_storage.nbytes() < nbytes:
+            return None  # no values, or storages smaller than the tensor now is: upstream's
         shape, stride = t.shape, t.stride()
         with self._no_dispatch():
             meta = torch.empty(0, dtype=t.dtype, device="meta")
