@@ -1225,6 +1225,31 @@ OVER = ("over a live storage",)
 _KIND_LEN = 5  # the length of LeanConversion.kind's tuple
 
 
+def _layout(x: Any) -> tuple[Any, ...]:
+    return (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device)
+
+
+def _alike(keys: Any, lean: Any, fake: Any) -> bool:
+    """What a lean fake must share with upstream's fake of the same tensor, whatever the state
+    it was converted in: type, dispatch keys, every attribute but the values, metadata,
+    autograd flags, version, ``grad_dtype``, and values of the same type and metadata."""
+    theirs, ours = dict(fake.__dict__), dict(lean.__dict__)
+    real, lean_real = theirs.pop("real_tensor", None), ours.pop("real_tensor", None)
+    return (
+        type(lean) is type(fake)
+        and repr(keys(lean)) == repr(keys(fake))
+        and ours == theirs
+        and _layout(lean) == _layout(fake)
+        and (lean.requires_grad, lean.is_leaf, lean._version, lean.grad)
+        == (fake.requires_grad, fake.is_leaf, fake._version, fake.grad)
+        and getattr(lean, "grad_dtype", None) == getattr(fake, "grad_dtype", None)
+        and real is not None
+        and lean_real is not None
+        and type(real) is type(lean_real)
+        and _layout(real) == _layout(lean_real)
+    )
+
+
 def _live_storage(meta_converter: Any, storage: Any) -> Any:
     """The meta storage ``meta_converter``'s storage memo keeps for ``storage``, or None."""
     sid = meta_converter.describer.lookup_storage.get(storage)
@@ -1421,28 +1446,13 @@ class LeanConversion:
         meta_converter = converter.meta_converter
         live = fake.untyped_storage()
         lean = self._over(meta_converter, mode, converter, t, live, None)
-        if lean is None:
+        if lean is None or not _alike(self._keys, lean, fake):
             return False
-        theirs, ours = dict(fake.__dict__), dict(lean.__dict__)
-        real, lean_real = theirs.pop("real_tensor", None), ours.pop("real_tensor", None)
         tid = meta_converter.describer.lookup_tensor.get(t)
-
-        def layout(x: Any) -> tuple[Any, ...]:
-            return (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device)
-
+        real, lean_real = fake.real_tensor, lean.real_tensor
         return (
-            type(lean) is type(fake)
-            and repr(self._keys(lean)) == repr(self._keys(fake))  # type: ignore[misc]
-            and ours == theirs
-            and layout(lean) == layout(fake)
-            and (lean.requires_grad, lean.is_leaf, lean._version, lean.grad)
-            == (fake.requires_grad, fake.is_leaf, fake._version, fake.grad)
-            and storage_key(lean.untyped_storage()) == storage_key(live)
-            and real is not None
-            and type(real) is type(lean_real)
-            and layout(real) == layout(lean_real)
+            storage_key(lean.untyped_storage()) == storage_key(live)
             and storage_key(real.untyped_storage()) == storage_key(lean_real.untyped_storage())
-            and getattr(lean, "grad_dtype", None) == getattr(fake, "grad_dtype", None)
             and tid is not None
             and meta_converter.tensor_memo.get(tid) is fake
         )
@@ -1457,9 +1467,6 @@ class LeanConversion:
             return source.detach().clone(memory_format=torch.preserve_format)
 
         lean = self._build(scratch.meta_converter, mode, scratch, t, storage, copy)
-        theirs, ours = dict(fake.__dict__), dict(lean.__dict__)
-        real, lean_real = theirs.pop("real_tensor", None), ours.pop("real_tensor", None)
-        keys = self._keys
 
         def memo(conv: Any, f: Any) -> bool:
             mc = conv.meta_converter
@@ -1473,20 +1480,10 @@ class LeanConversion:
                 and storage_key(kept) == storage_key(f.untyped_storage())
             )
 
-        def layout(x: Any) -> tuple[Any, ...]:
-            return (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device)
-
         return (
-            type(lean) is type(fake)
-            and repr(keys(lean)) == repr(keys(fake))  # type: ignore[misc]
-            and ours == theirs
-            and layout(lean) == layout(fake)
-            and (lean.requires_grad, lean.is_leaf, lean._version, lean.grad)
-            == (fake.requires_grad, fake.is_leaf, fake._version, fake.grad)
+            _alike(self._keys, lean, fake)
+            and type(fake.real_tensor) is torch.Tensor
             and lean.untyped_storage().nbytes() == fake.untyped_storage().nbytes()
-            and getattr(lean, "grad_dtype", None) == getattr(fake, "grad_dtype", None)
-            and type(real) is type(lean_real) is torch.Tensor
-            and layout(real) == layout(lean_real)
             and real_storage_of(fake.untyped_storage()) is not None
             and real_storage_of(lean.untyped_storage()) is not None
             and scratch.meta_converter.hit == 1
