@@ -12,9 +12,11 @@ copies the real outputs onto the fakes. With the repairs on (``propagation="fast
   Upstream's schema checks of custom ops stand, but for its false mutation report on ``None``;
 * **new tensors whose fake disagrees with its values** (sizes, dtype, device, strides) are made
   from them; **written fakes** the real kernel laid out otherwise get its strides;
-* **values with conjugate/negative bits or ZeroTensors**: the real run reads plain values (written
-  arguments get the update back through their bits); an op making new tensors runs with the
-  Conjugate, Negative and ZeroTensor keys on (a composite kernel's own conjugate views).
+* **values with conjugate/negative bits or ZeroTensors**: an op making new tensors runs with the
+  Conjugate, Negative and ZeroTensor keys on, as eager runs it (the fallbacks where eager's run,
+  a kernel's own reading of a bit where eager's kernel reads it; a composite kernel's own
+  conjugate views); an op that writes reads plain values (written arguments get the update back
+  through their bits).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .ops import OpFacts
 from .stats import Settings, Stats
 from .tensors import (
     CannotRebuild,
+    aligned,
     convertible,
     disagrees,
     extent,
@@ -73,14 +76,18 @@ class Upstream:
             needs_value_keys(op[0]) or (op[1] and needs_value_keys(op[1].values()))
         ):
             return self._dispatch(wrapped, args, kwargs, mode, func, op, facts)
-        # complex values, or bits: the real run reads plain values; an op making new tensors
-        # runs (as its fake side's nested ops do) with the Conjugate, Negative and ZeroTensor
-        # keys on. Not views or writes: their fake side under those keys' fallbacks fails
-        # MathBitsFallback's same-output assert (an empty conj view in linalg.inv's backward)
-        swaps = self._plain_values(mode, func, op, facts)
+        # complex values, or bits. An op making new tensors runs with the Conjugate, Negative
+        # and ZeroTensor keys on, as eager does (the mode turns them off): a kernel that reads a
+        # bit itself (mm's BLAS call) reads it, the values eager's to the bit (plain values
+        # rounded otherwise, which svd_lowrank's backward amplified to 2e-5), and a composite
+        # kernel's own conjugate views are read right. A write reads plain values; not under
+        # the keys: a write's fake side under their fallbacks fails MathBitsFallback's
+        # same-output assert (an empty conj view in linalg.inv's backward)
+        fresh = facts.fresh_outputs
+        swaps = self._plain_values(mode, func, op, facts, fresh)
         ok = False
         try:
-            if facts.fresh_outputs:
+            if fresh:
                 with self._resolved.value_keys():
                     result = self._dispatch(wrapped, args, kwargs, mode, func, op, facts)
             else:
@@ -243,11 +250,15 @@ class Upstream:
 
     # -- plain values for the real run ----------------------------------------------------------
 
-    def _plain_values(self, mode: Any, func: Any, op: Any, facts: OpFacts) -> list[Any] | None:
+    def _plain_values(
+        self, mode: Any, func: Any, op: Any, facts: OpFacts, keys_on: bool
+    ) -> list[Any] | None:
         """Before the real run of an op that is not a view: the arguments whose values carry a
         conjugate or negative bit or are a ZeroTensor get plain values for the op (the real
-        kernel, called inside the mode, would read the raw storage; eager's fallbacks
-        materialize them first). None when there are none (the common case)."""
+        kernel, called inside the mode where those keys are off, would read the raw storage;
+        eager's fallbacks materialize them first). With the keys on (``keys_on``) only a
+        ZeroTensor on either side (zeros) and values whose bits are not the fake's (an alias
+        with the fake's bits) are replaced. None when there are none (the common case)."""
         if facts.aliasing:
             return None
         op_args, op_kwargs = op
@@ -272,13 +283,19 @@ class Upstream:
                 if not (special_bits(fake) or special_bits(real)):
                     continue
                 written = name in facts.written_names
-                if written and (is_zero(fake) or is_zero(real)):
+                zero = is_zero(fake) or is_zero(real)
+                if written and zero:
                     continue  # immutable: upstream's (and eager's) error
                 if any(item[0] is fake for item in swaps):
                     continue
+                alias = keys_on and not zero
+                if alias and (real.is_conj(), real.is_neg()) == (fake.is_conj(), fake.is_neg()):
+                    continue  # read with the keys on as eager reads it
                 with self._resolved.no_dispatch():
-                    shadow = plain(fake, real)
+                    shadow = aligned(fake, real) if alias else plain(fake, real)
                     fake.real_tensor = shadow
+                # an alias's writes reach the real storage themselves
+                written = written and not alias
                 swaps.append((fake, real, shadow, written))
         return swaps or None
 
