@@ -17,9 +17,10 @@ this process only, and a ``FAKEGRAD_PROPAGATION`` in the environment must not ch
 
 Opt-in, not in the CI's envs (``FAKEGRAD_SWEEP_FULL=1``, ``tox -e sweep-full``): every sample in
 float64 and complex64, under ``"fast"`` and ``"repair"``, no silent sample (complex samples also
-compare the outputs' conj/neg bits and propagated values). On this project's 2-core machine it
-costs 4-5 times the CI plan's CPU time per propagation (100-130 CPU-seconds under ``"fast"``,
-280-300 under ``"repair"``, on 2.13.0 and 2.14.1), more than the CI can add per build.
+compare the outputs' conj/neg bits and propagated values) and none exact only by arbitration.
+On this project's 2-core machine it costs 4-5 times the CI plan's CPU time per propagation
+(100-130 CPU-seconds under ``"fast"``, 280-300 under ``"repair"``, on 2.13.0 and 2.14.1), more
+than the CI can add per build.
 
 The categories are written to a JSON beside the run (``FAKEGRAD_SWEEP_DIR``, set by tox.ini to
 the env's work directory; a temporary directory otherwise); docs/how-it-works.md summarises them.
@@ -191,6 +192,12 @@ def test_every_float64_and_complex64_sample(propagation: str, tmp_path: pathlib.
     ]
     assert not silent, "samples that differ from eager without a word:\n" + _by_op(silent)
     assert not unnamed, "errors that do not name the op:\n" + _by_op(unnamed)
+    # complex64 samples arbitrated against complex128 (values within 4x eager's own error) hid
+    # a defect of the patch's (conjugate views materialized under "repair": 18 samples on
+    # 2.4.0, 3 on 2.13.0); since its fix none needs it on 2.4.0, 2.13.0, 2.14.1 or 2.15.0, under
+    # either setting: a new one is a difference to explain, not rounding to accept
+    arbitrated = [dict(r, why=r["arbitrated"]) for r in rows if r.get("arbitrated")]
+    assert not arbitrated, "samples exact only by arbitration:\n" + _by_op(arbitrated)
     assert sum(s["samples"]["exact"] for s in result["summary"].values()) > 0
 
 
