@@ -307,11 +307,17 @@ def test_complex_programs_follow_eager(setting: str, name: str) -> None:
 
 # -- kernels that read a conjugate or negative bit themselves -------------------------------------
 
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.mT.contiguous().mT
+
+
 #: Eager hands a conjugate or negative view as it is to the kernels that read the bit themselves
 #: (mm, addmm, bmm, dot, linalg.solve_triangular: BLAS's conjugate transpose); the others get
 #: it materialized by the bit's fallback. Under ``repair`` upstream's real run read every such
 #: argument materialized: the same numbers rounded otherwise (~1e-7), which svd_lowrank's
-#: backward amplified to 2e-5 of a gradient without a word (the complex64 OpInfo sweep).
+#: backward amplified to 2e-5 of a gradient without a word (the complex64 OpInfo sweep); an op
+#: that writes (``addmm_``, ``mm(out=)``) read them so until 2026-12-07 in both settings.
 #: Compared to the bit, at two sizes (BLAS and ATen's own small-matrix loops).
 BIT_READING_PROGRAMS: dict[str, Callable[..., Any]] = {
     "mm_of_an_adjoint": lambda a, b, v: torch.mm(a.mH, b),
@@ -330,6 +336,17 @@ BIT_READING_PROGRAMS: dict[str, Callable[..., Any]] = {
     "einsum_of_an_adjoint": lambda a, b, v: torch.einsum("ij,jk->ik", a.mH, b),
     "svd_lowrank_of_a_low_rank_product": lambda a, b, v: torch.svd_lowrank(
         a[:, :2] @ b[:2, :], q=2
+    ),
+    # column-major operands (as linalg_qr's Q, which svd_lowrank multiplies): another BLAS call
+    "mm_of_column_major_operands": lambda a, b, v: torch.mm(a.mH, _column_major(b)),
+    "addmm_in_place_of_column_major_operands": lambda a, b, v: (a * 1).addmm_(
+        a.mH, _column_major(b)
+    ),
+    "mm_out_of_column_major_operands": lambda a, b, v: (
+        a * torch.mm(a.detach().mH, _column_major(b.detach()), out=torch.empty_like(a))
+    ),
+    "baddbmm_in_place_of_column_major_operands": lambda a, b, v: (b * 1)[None].baddbmm_(
+        a.mH[None], _column_major(b)[None]
     ),
 }
 

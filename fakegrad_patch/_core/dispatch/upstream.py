@@ -12,11 +12,11 @@ copies the real outputs onto the fakes. With the repairs on (``propagation="fast
   Upstream's schema checks of custom ops stand, but for its false mutation report on ``None``;
 * **new tensors whose fake disagrees with its values** (sizes, dtype, device, strides) are made
   from them; **written fakes** the real kernel laid out otherwise get its strides;
-* **values with conjugate/negative bits or ZeroTensors**: an op making new tensors runs with the
-  Conjugate, Negative and ZeroTensor keys on, as eager runs it (the fallbacks where eager's run,
-  a kernel's own reading of a bit where eager's kernel reads it; a composite kernel's own
-  conjugate views); an op that writes reads plain values (written arguments get the update back
-  through their bits).
+* **values with conjugate/negative bits or ZeroTensors**: an op making new tensors, or writing
+  only arguments without a bit, runs with the Conjugate, Negative and ZeroTensor keys on, as
+  eager runs it (the fallbacks where eager's run, a kernel's own reading of a bit where eager's
+  kernel reads it; a composite kernel's own conjugate views); a write into a conjugate or
+  negative view reads plain values (written arguments get the update back through their bits).
 """
 
 from __future__ import annotations
@@ -76,18 +76,20 @@ class Upstream:
             needs_value_keys(op[0]) or (op[1] and needs_value_keys(op[1].values()))
         ):
             return self._dispatch(wrapped, args, kwargs, mode, func, op, facts)
-        # complex values, or bits. An op making new tensors runs with the Conjugate, Negative
-        # and ZeroTensor keys on, as eager does (the mode turns them off): a kernel that reads a
-        # bit itself (mm's BLAS call) reads it, the values eager's to the bit (plain values
-        # rounded otherwise, which svd_lowrank's backward amplified to 2e-5), and a composite
-        # kernel's own conjugate views are read right. A write reads plain values; not under
-        # the keys: a write's fake side under their fallbacks fails MathBitsFallback's
-        # same-output assert (an empty conj view in linalg.inv's backward)
-        fresh = facts.fresh_outputs
-        swaps = self._plain_values(mode, func, op, facts, fresh)
+        # complex values, or bits. An op making new tensors, or writing only arguments without
+        # a bit, runs with the Conjugate, Negative and ZeroTensor keys on, as eager does (the
+        # mode turns them off): a kernel that reads a bit itself (mm's BLAS call) reads it, the
+        # values eager's to the bit (plain values rounded otherwise, which svd_lowrank's
+        # backward amplified to 2e-5), and a composite kernel's own conjugate views are read
+        # right. A write of an argument with a bit, or a view, runs with the keys off, on plain
+        # values: its fake side under their fallbacks fails MathBitsFallback's same-output
+        # assert (an empty conj view in linalg.inv's backward)
+        found = _valued(self._is_fake, mode, func, op, facts)
+        keys_on = facts.fresh_outputs or not (facts.aliasing or any(w for _, _, w in found))
+        swaps = self._plain_values(found, keys_on) if found else None
         ok = False
         try:
-            if fresh:
+            if keys_on:
                 with self._resolved.value_keys():
                     result = self._dispatch(wrapped, args, kwargs, mode, func, op, facts)
             else:
@@ -250,53 +252,25 @@ class Upstream:
 
     # -- plain values for the real run ----------------------------------------------------------
 
-    def _plain_values(
-        self, mode: Any, func: Any, op: Any, facts: OpFacts, keys_on: bool
-    ) -> list[Any] | None:
-        """Before the real run of an op that is not a view: the arguments whose values carry a
-        conjugate or negative bit or are a ZeroTensor get plain values for the op (the real
-        kernel, called inside the mode where those keys are off, would read the raw storage;
-        eager's fallbacks materialize them first). With the keys on (``keys_on``) only a
-        ZeroTensor on either side (zeros) and values whose bits are not the fake's (an alias
+    def _plain_values(self, found: list[Any], keys_on: bool) -> list[Any] | None:
+        """Before the real run: ``found`` (:func:`_valued`) get plain values for the op (the
+        real kernel, called inside the mode where those keys are off, would read the raw
+        storage; eager's fallbacks materialize them first). With the keys on (``keys_on``) only
+        a ZeroTensor on either side (zeros) and values whose bits are not the fake's (an alias
         with the fake's bits) are replaced. None when there are none (the common case)."""
-        if facts.aliasing:
-            return None
-        op_args, op_kwargs = op
         swaps: list[Any] = []
-        for index, argument in enumerate(func._schema.arguments):
-            name = argument.name
-            value = op_args[index] if index < len(op_args) else op_kwargs.get(name)
-            for t in tensors_in((value,)):
-                fake: Any
-                if self._is_fake(t):
-                    if getattr(t, "fake_mode", None) is not mode:
-                        continue
-                    fake = t
-                elif convertible(mode, t) and special_bits(t):
-                    # converted now: upstream's conversion returns the same fake (memo)
-                    fake = mode.fake_tensor_converter.from_real_tensor(mode, t)
-                else:
-                    continue
-                real = getattr(fake, "real_tensor", None)
-                if real is None or fake.layout != torch.strided:
-                    continue
-                if not (special_bits(fake) or special_bits(real)):
-                    continue
-                written = name in facts.written_names
-                zero = is_zero(fake) or is_zero(real)
-                if written and zero:
-                    continue  # immutable: upstream's (and eager's) error
-                if any(item[0] is fake for item in swaps):
-                    continue
-                alias = keys_on and not zero
-                if alias and (real.is_conj(), real.is_neg()) == (fake.is_conj(), fake.is_neg()):
-                    continue  # read with the keys on as eager reads it
-                with self._resolved.no_dispatch():
-                    shadow = aligned(fake, real) if alias else plain(fake, real)
-                    fake.real_tensor = shadow
-                # an alias's writes reach the real storage themselves
-                written = written and not alias
-                swaps.append((fake, real, shadow, written))
+        for fake, real, written in found:
+            zero = is_zero(fake) or is_zero(real)
+            if written and zero:
+                continue  # immutable: upstream's (and eager's) error
+            alias = keys_on and not zero
+            if alias and (real.is_conj(), real.is_neg()) == (fake.is_conj(), fake.is_neg()):
+                continue  # read with the keys on as eager reads it
+            with self._resolved.no_dispatch():
+                shadow = aligned(fake, real) if alias else plain(fake, real)
+                fake.real_tensor = shadow
+            # an alias's writes reach the real storage themselves
+            swaps.append((fake, real, shadow, written and not alias))
         return swaps or None
 
     def _restore_values(self, swaps: list[Any], ok: bool) -> None:
@@ -310,6 +284,36 @@ class Upstream:
                     set_neg(view, fake.is_neg())
                     view.copy_(shadow)
                 fake.real_tensor = real
+
+
+def _valued(is_fake: Any, mode: Any, func: Any, op: Any, facts: OpFacts) -> list[Any]:
+    """For :meth:`Upstream.call`: the arguments of an op that is not a view whose fake or values
+    carry a conjugate or negative bit or are a ZeroTensor: ``(fake, values, written)``, each
+    fake once."""
+    if facts.aliasing:
+        return []
+    op_args, op_kwargs = op
+    found: list[Any] = []
+    for index, argument in enumerate(func._schema.arguments):
+        name = argument.name
+        value = op_args[index] if index < len(op_args) else op_kwargs.get(name)
+        for t in tensors_in((value,)):
+            fake: Any
+            if is_fake(t):
+                if getattr(t, "fake_mode", None) is not mode:
+                    continue
+                fake = t
+            elif convertible(mode, t) and special_bits(t):
+                # converted now: upstream's conversion returns the same fake (memo)
+                fake = mode.fake_tensor_converter.from_real_tensor(mode, t)
+            else:
+                continue
+            real = getattr(fake, "real_tensor", None)
+            if real is None or fake.layout != torch.strided:
+                continue
+            if (special_bits(fake) or special_bits(real)) and all(f is not fake for f, *_ in found):
+                found.append((fake, real, name in facts.written_names))
+    return found
 
 
 _MUTATION = re.compile(
