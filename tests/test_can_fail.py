@@ -27,6 +27,11 @@ MUST_FAIL_UPSTREAM = {
     "test_correctness.py::test_in_place_ops_on_real_grads_inside_the_mode_apply_once[mul_3-zero_]",
     "test_correctness.py::test_in_place_ops_on_real_grads_inside_the_mode_apply_once[mul_3-mul_3]",
     "test_correctness.py::test_in_place_ops_on_real_grads_inside_the_mode_apply_once[zero_-add_fake-mul_3]",
+    # conjugate views inside the mode: upstream's real kernels read their raw storage
+    "test_programs.py::test_kernels_that_read_a_bit_themselves_give_eagers_values_to_the_bit[fast-mm_of_an_adjoint-3]",
+    "test_programs.py::test_kernels_that_read_a_bit_themselves_give_eagers_values_to_the_bit[fast-linear_with_a_conj_weight-3]",
+    "test_programs.py::test_kernels_that_read_a_bit_themselves_give_eagers_values_to_the_bit[fast-addmm_in_place_of_column_major_operands-3]",
+    "test_programs.py::test_kernels_that_read_a_bit_themselves_give_eagers_values_to_the_bit[fast-svd_lowrank_of_a_low_rank_product-3]",
     # issue 10: every family of tests/test_correctness.py that upstream gets wrong on every build
     "test_correctness.py::test_clip_grad_norm_inside_the_mode_changes_the_real_grads",
     "test_correctness.py::test_custom_function_returning_its_gradient_twice_is_not_aliased",
