@@ -316,8 +316,9 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 #: (mm, addmm, bmm, dot, linalg.solve_triangular: BLAS's conjugate transpose); the others get
 #: it materialized by the bit's fallback. Under ``repair`` upstream's real run read every such
 #: argument materialized: the same numbers rounded otherwise (~1e-7), which svd_lowrank's
-#: backward amplified to 2e-5 of a gradient without a word (the complex64 OpInfo sweep); an op
-#: that writes (``addmm_``, ``mm(out=)``) read them so until 2026-12-07 in both settings.
+#: backward amplified to 2e-5 of a gradient without a word (the complex64 OpInfo sweep); ops
+#: that write (``addmm_``, ``mm(out=)``, into a conjugate view or not) read them so until
+#: 2026-12-07, in both settings.
 #: Compared to the bit, at two sizes (BLAS and ATen's own small-matrix loops).
 BIT_READING_PROGRAMS: dict[str, Callable[..., Any]] = {
     "mm_of_an_adjoint": lambda a, b, v: torch.mm(a.mH, b),
@@ -347,6 +348,11 @@ BIT_READING_PROGRAMS: dict[str, Callable[..., Any]] = {
     ),
     "baddbmm_in_place_of_column_major_operands": lambda a, b, v: (b * 1)[None].baddbmm_(
         a.mH[None], _column_major(b)[None]
+    ),
+    # writes into a conjugate view
+    "addmm_into_a_conj_view": lambda a, b, v: (b * 1).conj().addmm_(a.mH, _column_major(b)),
+    "mm_out_into_a_conj_view": lambda a, b, v: (
+        a * torch.mm(a.detach().mH, _column_major(b.detach()), out=torch.empty_like(a).conj())
     ),
 }
 

@@ -12,11 +12,11 @@ copies the real outputs onto the fakes. With the repairs on (``propagation="fast
   Upstream's schema checks of custom ops stand, but for its false mutation report on ``None``;
 * **new tensors whose fake disagrees with its values** (sizes, dtype, device, strides) are made
   from them; **written fakes** the real kernel laid out otherwise get its strides;
-* **values with conjugate/negative bits or ZeroTensors**: an op making new tensors, or writing
-  only arguments without a bit, runs with the Conjugate, Negative and ZeroTensor keys on, as
-  eager runs it (the fallbacks where eager's run, a kernel's own reading of a bit where eager's
-  kernel reads it; a composite kernel's own conjugate views); a write into a conjugate or
-  negative view reads plain values (written arguments get the update back through their bits).
+* **values with conjugate/negative bits or ZeroTensors**: an op that is not a view runs with the
+  Conjugate, Negative and ZeroTensor keys on, as eager runs it (the fallbacks where eager's run,
+  a kernel's own reading of a bit where eager's kernel reads it; a composite kernel's own
+  conjugate views); a write into an empty tensor with a bit reads plain values (written
+  arguments get the update back through their bits).
 """
 
 from __future__ import annotations
@@ -76,16 +76,17 @@ class Upstream:
             needs_value_keys(op[0]) or (op[1] and needs_value_keys(op[1].values()))
         ):
             return self._dispatch(wrapped, args, kwargs, mode, func, op, facts)
-        # complex values, or bits. An op making new tensors, or writing only arguments without
-        # a bit, runs with the Conjugate, Negative and ZeroTensor keys on, as eager does (the
-        # mode turns them off): a kernel that reads a bit itself (mm's BLAS call) reads it, the
-        # values eager's to the bit (plain values rounded otherwise, which svd_lowrank's
-        # backward amplified to 2e-5), and a composite kernel's own conjugate views are read
-        # right. A write of an argument with a bit, or a view, runs with the keys off, on plain
-        # values: its fake side under their fallbacks fails MathBitsFallback's same-output
-        # assert (an empty conj view in linalg.inv's backward)
+        # complex values, or bits. An op that is not a view runs with the Conjugate, Negative
+        # and ZeroTensor keys on, as eager does (the mode turns them off): a kernel that reads a
+        # bit itself (mm's BLAS call) reads it, the values eager's to the bit (plain values
+        # rounded otherwise, which svd_lowrank's backward amplified to 2e-5), and a composite
+        # kernel's own conjugate views are read right. A view, or a write into an empty tensor
+        # with a bit, runs with the keys off, on plain values: its fake side under their
+        # fallbacks fails MathBitsFallback's same-output assert (linalg.inv of an empty batch)
         found = _valued(self._is_fake, mode, func, op, facts)
-        keys_on = facts.fresh_outputs or not (facts.aliasing or any(w for _, _, w in found))
+        keys_on = facts.fresh_outputs or not (
+            facts.aliasing or any(w and f.numel() == 0 for f, _, w in found)
+        )
         swaps = self._plain_values(found, keys_on) if found else None
         ok = False
         try:
