@@ -80,9 +80,9 @@ class Upstream:
         # and ZeroTensor keys on, as eager does (the mode turns them off): a kernel that reads a
         # bit itself (mm's BLAS call) reads it, the values eager's to the bit (plain values
         # rounded otherwise, which svd_lowrank's backward amplified to 2e-5), and a composite
-        # kernel's own conjugate views are read right. A view, or a write into an empty tensor
-        # with a bit, runs with the keys off, on plain values: its fake side under their
-        # fallbacks fails MathBitsFallback's same-output assert (linalg.inv of an empty batch)
+        # kernel's own conjugate views are read right. A view runs with the keys off, as
+        # before; a write into an empty tensor with a bit too, on plain values: its fake side
+        # under their fallbacks fails MathBitsFallback's assert (linalg.inv of an empty batch)
         found = _valued(self._is_fake, mode, func, op, facts)
         keys_on = facts.fresh_outputs or not (
             facts.aliasing or any(w and f.numel() == 0 for f, _, w in found)
