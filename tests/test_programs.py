@@ -78,21 +78,31 @@ def run(
     return values, [metadata(t) for t in result], grads, torch.get_rng_state()
 
 
+def _same(f: torch.Tensor, e: torch.Tensor, what: str, exact: bool) -> None:
+    if exact:
+        assert torch.equal(f, e), f"{what}: max abs {(f - e).abs().max().item():.3g}"
+    else:
+        torch.testing.assert_close(f, e, rtol=1e-5, atol=1e-5)
+
+
 def assert_like_eager(
-    program: Callable[..., Any], make_leaves: Callable[[], Sequence[torch.Tensor]]
+    program: Callable[..., Any],
+    make_leaves: Callable[[], Sequence[torch.Tensor]],
+    exact: bool = False,
 ) -> None:
+    """Eager against one patched pass; ``exact``: values and gradients to the bit."""
     e_values, e_meta, e_grads, e_rng = run(program, make_leaves, fake=False)
     f_values, f_meta, f_grads, f_rng = run(program, make_leaves, fake=True)
     assert f_meta == e_meta
-    for f, e in zip(f_values, e_values, strict=True):
-        torch.testing.assert_close(f, e, rtol=1e-5, atol=1e-5)
-    for f, e in zip(f_grads, e_grads, strict=True):
+    for i, (f, e) in enumerate(zip(f_values, e_values, strict=True)):
+        _same(f, e, f"output {i}", exact)
+    for i, (f, e) in enumerate(zip(f_grads, e_grads, strict=True)):
         if e is None:
             assert f is None
             continue
         assert type(f) is torch.Tensor, f"a fake or missing gradient: {type(f).__name__}"
         assert (f.stride(), f.dtype) == (e.stride(), e.dtype)
-        torch.testing.assert_close(f, e, rtol=1e-5, atol=1e-5)
+        _same(f, e, f"leaf {i}", exact)
     assert torch.equal(f_rng, e_rng), "the program drew random numbers differently"
 
 
@@ -374,18 +384,7 @@ def test_kernels_that_read_a_bit_themselves_give_eagers_values_to_the_bit(
         shapes = ((n, n), (n, n), (n,))
         return tuple(torch.randn(s, dtype=torch.complex64, requires_grad=True) for s in shapes)
 
-    e_values, e_meta, e_grads, e_rng = run(program, leaves, fake=False)
-    f_values, f_meta, f_grads, f_rng = run(program, leaves, fake=True)
-    assert f_meta == e_meta
-    for i, (f, e) in enumerate(zip(f_values, e_values, strict=True)):
-        assert torch.equal(f, e), f"output {i}: max abs {(f - e).abs().max().item():.3g}"
-    for i, (f, e) in enumerate(zip(f_grads, e_grads, strict=True)):
-        if e is None:
-            assert f is None
-            continue
-        assert type(f) is torch.Tensor, f"a fake or missing gradient: {type(f).__name__}"
-        assert torch.equal(f, e), f"leaf {i}: max abs {(f - e).abs().max().item():.3g}"
-    assert torch.equal(f_rng, e_rng)
+    assert_like_eager(program, leaves, exact=True)
 
 
 @pytest.mark.parametrize("bit", ["conj", "neg"])
