@@ -217,8 +217,9 @@ def _note(
 
 def _per_op_note(case: str, benches: list[dict[str, Any]], variant: str, delta: float) -> str:
     """P19: the extra cost per aten op over eager, ``patched / two-pass`` and ``patched / fake
-    floor``; P20: each variant's cost per aten op (the baseline's beside it), and ``patched /
-    fake floor``."""
+    floor``, and on the floor's row ``fake floor / two-pass`` (at or above 1, no mode that makes
+    FakeTensors beats the seed's two passes on that model: item 5's own floor); P20: each
+    variant's cost per aten op (the baseline's beside it), and ``patched / fake floor``."""
     ops = _first(_infos(benches, variant), "aten_ops")
     if not ops:
         return ""
@@ -235,6 +236,8 @@ def _per_op_note(case: str, benches: list[dict[str, Any]], variant: str, delta: 
             text += f"; patched / two-pass {medians['patched'] / medians['two-pass']:.3f}"
         if variant == "patched" and floor:
             text += f"; patched / fake floor {medians['patched'] / floor:.3f}"
+        if variant == "fake floor" and medians.get("two-pass"):
+            text += f"; fake floor / two-pass {floor / medians['two-pass']:.3f}"
         return text
     baseline = benches[0]["extra_info"]["baseline"]
     text = (

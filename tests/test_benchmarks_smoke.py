@@ -120,6 +120,8 @@ def test_benchmarks_run_in_smoke_mode(tmp_path: Path) -> None:
             continue
         assert any(f"fake floor / {other}" in x for x in per_op), table
         assert any(f"patched / {other}" in x and "patched / fake floor" in x for x in per_op), table
+        if case == "P19":  # item 5's floor: the least a FakeTensor-making mode against two-pass
+            assert any("fake floor / two-pass" in x for x in per_op), table
 
 
 class _Config:
