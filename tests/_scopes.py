@@ -14,8 +14,8 @@ import os
 #: activation paths, settings parsing, the pytest plugin, doctor's checks, the trace reader and
 #: sink, the verify CLI's plumbing, packaging, the README and the package layout. They depend on
 #: the interpreter and on wrapt/structlog instead. ``FAKEGRAD_TEST_SCOPE=build`` deselects them
-#: (torch213 and torch214 on 3.11, the quick tier); they run in oldest (3.10, the oldest
-#: Python), lowest (3.12, the lowest wrapt/structlog) and newest (3.13, the newest Python).
+#: (oldest on 3.10, torch213 and torch214 on 3.11, the quick tier); they run in lowest (3.12,
+#: the lowest wrapt/structlog) and newest (3.13, the newest Python).
 #: Unset, or ``all``: every file runs.
 BUILD_INDEPENDENT = frozenset(
     {

@@ -44,7 +44,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     if scope == "build":
         lines.append(
             "FAKEGRAD_TEST_SCOPE=build: the build-independent files are deselected here "
-            "(they run in the oldest, lowest and newest envs)"
+            "(they run in the lowest and newest envs)"
         )
     elif scope == "deps":
         lines.append(

@@ -229,3 +229,14 @@ def test_every_target_has_a_banner_and_resolves_here() -> None:
         assert target.why and target.checked_on
         if target not in _targets.OPTIONAL_TARGETS:
             assert reason is None, f"{target.dotted}: {reason}"
+
+
+def test_every_module_of_the_package_compiles_on_this_interpreter() -> None:
+    """Every env of the CI command runs this file, so every supported Python (3.10 in
+    ``oldest``, which leaves the build-independent files to 3.12 and 3.13 for CI time) compiles
+    every module of the package, the start-up hooks and the CLI included, which the build's
+    tests may never import: syntax newer than the interpreter fails here, not at a user's."""
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert len(modules) > 50, modules  # the whole package, not an empty glob
+    for path in modules:
+        compile(path.read_text(encoding="utf-8"), str(path), "exec", dont_inherit=True)

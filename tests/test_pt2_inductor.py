@@ -4,9 +4,10 @@ interpreters with and without the patch, compared bit for bit, and the patch sta
 
 A file of its own so that CI can run these groups on fewer builds than the rest: each group
 compiles C++ kernels twice per build (patched and unpatched, cold caches: ~40 s of CPU each on a
-2-core machine). They run on the oldest (2.4.0) and the newest (2.15.0) build of the CI command
-(tox.ini, ``FAKEGRAD_TEST_ELSEWHERE`` in torch213 and torch214; tests/test_readme.py checks
-both); every other PT2 group runs on every build.
+2-core machine). They run on the newest build (2.15.0) of the CI command (tox.ini,
+``FAKEGRAD_TEST_ELSEWHERE`` in oldest, torch213 and torch214; tests/test_readme.py checks it;
+until run 32 on the oldest, 2.4.0, too); every other PT2 group runs on every build: the inductor
+programs take the same stand-aside path (a tracer's mode, with a ShapeEnv) as they do.
 """
 
 from __future__ import annotations
