@@ -165,8 +165,8 @@ def test_every_test_file_runs_in_an_env_of_the_ci_command() -> None:
     """Envs leave files to each other (FAKEGRAD_TEST_SCOPE, FAKEGRAD_TEST_ELSEWHERE: issue 26);
     none may be left out everywhere, and the builds keep what is theirs: every torch build of
     the CI command runs PT2 coexistence and can_fail, the newest build PT2's inductor groups,
-    and the build-independent files run on the lowest wrapt/structlog (lowest)
-    and on the newest Python (newest)."""
+    and the build-independent files run on the lowest wrapt/structlog (lowest) and on the
+    newest Python (newest)."""
     import _scopes
 
     runs = _ci_runs()
